@@ -1,0 +1,58 @@
+"""What `actrace inspect` shows: a trace's run metadata, layers, steps, streams and size."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from .reader import part_files, read_source
+
+
+def describe(source: Path) -> dict:
+    """A JSON-ready summary of one trace source."""
+    table, meta = read_source(source, ["layer", "layer_index", "kind", "units", "stream", "step", "param"])
+    meta = dict(meta)
+    try:
+        meta["config"] = json.loads(meta.get("config") or "{}")
+    except json.JSONDecodeError:
+        pass
+    layers: dict[str, dict] = {}
+    for row in table.select(["layer", "layer_index", "kind", "units", "stream"]).to_pylist():
+        entry = layers.setdefault(row["layer"], {"layer": row["layer"], "index": row["layer_index"],
+                                                 "kind": row["kind"], "units": None, "streams": []})
+        if row["stream"] == "activation":
+            entry["units"] = row["units"]
+        if row["stream"] not in entry["streams"]:
+            entry["streams"].append(row["stream"])
+    steps = pc.unique(table["step"]).to_pylist() if len(table) else []
+    streams = {s: int(n) for s, n in zip(*[c.to_pylist() for c in
+               pc.value_counts(table["stream"]).flatten()])} if len(table) else {}
+    return {
+        "path": str(source), "spec_version": meta.get("spec_version"), "metadata": meta,
+        "readings": len(table), "size_bytes": sum(f.stat().st_size for f in part_files(source)),
+        "steps": {"count": len(steps), "first": min(steps, default=None), "last": max(steps, default=None)},
+        "streams": streams, "layers": sorted(layers.values(), key=lambda l: l["index"]),
+    }
+
+
+def format_description(d: dict) -> str:
+    """The human-readable form of `describe`'s result."""
+    m = d["metadata"]
+    lines = [
+        f"{d['path']}  (spec {d['spec_version']}, {d['size_bytes'] / 1024:.1f} KiB, {d['readings']} readings)",
+        f"  run        {m.get('run_name')}  id {m.get('run_id')}",
+        f"  framework  {m.get('framework')} {m.get('framework_version')}  via {m.get('adapter')} "
+        f"{m.get('adapter_version')}",
+        f"  host       {m.get('host')}",
+        f"  created    {m.get('created')}   mode {m.get('mode') or '-'}",
+        f"  probe      {m.get('probe_fingerprint') or '-'}  ({m.get('probe_size') or '?'} examples)",
+        f"  config     {json.dumps(m.get('config'))}",
+        f"  steps      {d['steps']['count']} (from {d['steps']['first']} to {d['steps']['last']})",
+        "  streams    " + ", ".join(f"{s} {n}" for s, n in d["streams"].items()),
+        f"  layers     {len(d['layers'])}",
+    ]
+    for l in d["layers"]:
+        lines.append(f"    {l['index']:>4}  {l['layer']:<40} {l['kind']:<11} "
+                     f"{'' if l['units'] is None else str(l['units']) + ' units':<12} {','.join(l['streams'])}")
+    return "\n".join(lines)

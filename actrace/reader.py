@@ -1,0 +1,115 @@
+"""Find and read traces (spec §Files, §Versioning): files, `.parts` directories, globs, folders.
+
+A reader accepts any 1.x file, ignores columns it does not know and refuses another major
+version with a message naming the version it supports.
+"""
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import META_PREFIX, SCHEMA, SPEC_MAJOR, SPEC_VERSION
+
+
+class TraceError(Exception):
+    """A trace that cannot be read: names the file and what is wrong."""
+
+
+def trace_sources(paths) -> list[Path]:
+    """Expand files, globs, `NAME.parquet.parts` dirs and folders of traces into trace sources."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    sources: list[Path] = []
+    for raw in paths:
+        raw = str(raw)
+        matches = sorted(glob.glob(raw)) if glob.has_magic(raw) else [raw]
+        if not matches:
+            raise TraceError(f"{raw}: no trace matches this pattern")
+        for m in map(Path, matches):
+            if not m.exists():
+                raise TraceError(f"{m}: no such file or directory")
+            if m.is_dir() and not m.name.endswith(".parts"):
+                inner = sorted(m.glob("*.parquet")) + sorted(m.glob("*.parquet.parts"))
+                sources += [p for p in inner if p not in sources]
+            elif m not in sources:
+                sources.append(m)
+    # a compacted trace wins over the parts left by the same writer mid-compaction
+    names = {s for s in sources if not s.name.endswith(".parts")}
+    return [s for s in sources if not (s.name.endswith(".parts") and s.with_name(s.name[:-6]) in names)]
+
+
+def part_files(source: Path) -> list[Path]:
+    """The Parquet files a source consists of: itself, or a `.parts` directory's part files."""
+    if source.is_dir():
+        parts = sorted(source.glob("part-*.parquet"))
+        if not parts:
+            raise TraceError(f"{source}: a .parts directory with no part files")
+        return parts
+    return [source]
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    """The `actrace:` key/value metadata of one Parquet file, version-checked."""
+    try:
+        raw = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
+    meta = {k.decode()[len(META_PREFIX):]: v.decode() for k, v in raw.items()
+            if k.decode().startswith(META_PREFIX)}
+    version = meta.get("spec_version")
+    if version is None:
+        raise TraceError(f"{path}: not an actrace trace (no '{META_PREFIX}spec_version' metadata)")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        raise TraceError(f"{path}: spec version {version!r} is not MAJOR.MINOR") from None
+    if major != SPEC_MAJOR:
+        raise TraceError(f"{path}: trace spec version {version} is not supported; this actrace "
+                         f"reads {SPEC_MAJOR}.x (it implements {SPEC_VERSION})")
+    return meta
+
+
+def known_columns(path: Path) -> list[str]:
+    """The spec columns present in a file, in spec order (unknown columns are ignored)."""
+    names = set(pq.read_schema(path).names)
+    return [f.name for f in SCHEMA if f.name in names]
+
+
+def read_source(source: Path, columns: list[str] | None = None) -> tuple[pa.Table, dict[str, str]]:
+    """One trace source as an Arrow table of spec columns, plus its file metadata."""
+    tables, meta = [], {}
+    for f in part_files(source):
+        meta = file_metadata(f)
+        cols = [c for c in known_columns(f) if columns is None or c in columns]
+        try:
+            tables.append(pq.read_table(f, columns=cols))
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{f}: cannot read: {exc}") from None
+    return pa.concat_tables(tables, promote_options="permissive"), meta
+
+
+def read_table(paths, columns: list[str] | None = None) -> pa.Table:
+    """All readings of the given traces in one Arrow table."""
+    tables = [read_source(s, columns)[0] for s in trace_sources(paths)]
+    if not tables:
+        raise TraceError(f"no traces found in {paths}")
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def scan(paths, columns: list[str] | None = None):
+    """All readings as a lazy Polars frame (only the requested columns are read)."""
+    import polars as pl
+
+    frames = []
+    for source in trace_sources(paths):
+        files = part_files(source)
+        for f in files:
+            file_metadata(f)
+        cols = [c for c in known_columns(files[0]) if columns is None or c in columns]
+        frames.append(pl.scan_parquet([str(f) for f in files]).select(cols))
+    if not frames:
+        raise TraceError(f"no traces found in {paths}")
+    return pl.concat(frames, how="diagonal_relaxed")

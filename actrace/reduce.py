@@ -1,0 +1,148 @@
+"""Reference reductions (numpy): a tensor, its unit axis and its kind → one mergeable Reading.
+
+Implements spec/trace-v1.md §Units and §Reductions. Adapters with faster paths must agree
+with `reduce_array` within float tolerance; `merge` combines readings of batch chunks exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import bins
+from .schema import STREAMS, bounds_for
+
+
+class ReductionError(ValueError):
+    """A tensor that cannot be reduced (empty, not floating point, bad unit axis)."""
+
+
+@dataclass
+class Reading:
+    """One layer's reductions for one stream; per-unit arrays and hist may be None."""
+
+    layer: str
+    kind: str
+    stream: str
+    dtype: str
+    shape: tuple[int, ...]
+    unit_axis: int | None
+    units: int
+    count: int
+    nan_count: int
+    inf_count: int
+    zero_count: int
+    sum: float
+    sumsq: float
+    min: float
+    max: float
+    bounds: tuple[float, float] | None = None
+    param: str | None = None
+    update_norm: float | None = None
+    unit_count: np.ndarray | None = None
+    unit_zero: np.ndarray | None = None
+    unit_sum: np.ndarray | None = None
+    unit_sumsq: np.ndarray | None = None
+    unit_min: np.ndarray | None = None
+    unit_max: np.ndarray | None = None
+    unit_min_dev: np.ndarray | None = None
+    hist: np.ndarray | None = None
+
+
+def centre(bounds: tuple[float, float] | None) -> float:
+    """The point `unit_min_dev` is measured from: the middle of the bounds, else 0."""
+    return 0.0 if bounds is None else (bounds[0] + bounds[1]) / 2.0
+
+
+def _as_float(x, layer: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 is not a numpy float kind
+        x = x.astype(np.float32)
+    if x.dtype.kind != "f":
+        raise ReductionError(f"layer {layer!r}: cannot reduce a {x.dtype} tensor, only floating point")
+    if x.size == 0:
+        raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {x.shape}")
+    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
+
+
+def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", stream: str = "activation",
+                 bounds: tuple[float, float] | None = None, param: str | None = None,
+                 per_unit: bool = True, histogram: bool = True) -> Reading:
+    """Reduce `x` over every axis but `unit_axis` (None: the whole tensor is one unit)."""
+    if stream not in STREAMS:
+        raise ReductionError(f"layer {layer!r}: unknown stream {stream!r}; expected one of {STREAMS}")
+    dtype = str(np.asarray(x).dtype)
+    xw = _as_float(x, layer)
+    bounds = bounds_for(kind, bounds)
+    if unit_axis is not None:
+        if not -xw.ndim <= unit_axis < xw.ndim:
+            raise ReductionError(f"layer {layer!r}: unit axis {unit_axis} out of range for shape {xw.shape}")
+        unit_axis %= xw.ndim
+    units = 1 if unit_axis is None else xw.shape[unit_axis]
+    x2 = (xw.reshape(-1, 1) if unit_axis is None else np.moveaxis(xw, unit_axis, -1).reshape(-1, units))
+
+    finite = np.isfinite(x2)
+    all_finite = bool(finite.all())
+    nan_count = 0 if all_finite else int(np.isnan(x2).sum())
+    clean = x2 if all_finite else np.where(finite, x2, 0)
+    lo_src = x2 if all_finite else np.where(finite, x2, np.inf)
+    hi_src = x2 if all_finite else np.where(finite, x2, -np.inf)
+
+    unit_count = finite.sum(axis=0, dtype=np.int64)
+    unit_zero = (x2 == 0).sum(axis=0, dtype=np.int64)
+    unit_sum = clean.sum(axis=0, dtype=np.float64)
+    unit_sumsq = np.square(clean, dtype=np.float64).sum(axis=0)
+    unit_min = lo_src.min(axis=0).astype(np.float64)
+    unit_max = hi_src.max(axis=0).astype(np.float64)
+    dev_src = np.abs(x2.astype(np.float64) - centre(bounds)) if bounds else np.abs(x2)
+    unit_min_dev = (dev_src if all_finite else np.where(finite, dev_src, np.inf)).min(axis=0).astype(np.float64)
+    empty = unit_count == 0
+    for arr in (unit_min, unit_max, unit_min_dev):
+        arr[empty] = np.nan
+
+    any_finite = not empty.all()
+    reading = Reading(
+        layer=layer, kind=kind, stream=stream, dtype=dtype, shape=tuple(int(s) for s in xw.shape),
+        unit_axis=unit_axis, units=int(units), count=int(xw.size), nan_count=nan_count,
+        inf_count=int(xw.size - unit_count.sum() - nan_count), zero_count=int(unit_zero.sum()),
+        sum=float(unit_sum.sum()), sumsq=float(unit_sumsq.sum()),
+        min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
+        max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
+        bounds=bounds, param=param, hist=bins.histogram(x2) if histogram else None,
+    )
+    if per_unit:
+        reading = replace(
+            reading, unit_count=unit_count, unit_zero=unit_zero, unit_sum=unit_sum,
+            unit_sumsq=unit_sumsq, unit_min=unit_min.astype(np.float32),
+            unit_max=unit_max.astype(np.float32), unit_min_dev=unit_min_dev.astype(np.float32))
+    return reading
+
+
+_ADD = ("count", "nan_count", "inf_count", "zero_count", "sum", "sumsq")
+_ARRAY_ADD = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist")
+_UNIT_MIN = ("unit_min", "unit_min_dev")
+
+
+def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
+    """Combine the readings of two chunks of one tensor split along `batch_axis`."""
+    same = ("layer", "kind", "stream", "unit_axis", "units", "bounds", "param")
+    for name in same:
+        if getattr(a, name) != getattr(b, name):
+            raise ReductionError(f"layer {a.layer!r}: cannot merge readings whose {name} differ "
+                                 f"({getattr(a, name)!r} vs {getattr(b, name)!r})")
+    shape = list(a.shape)
+    if shape:
+        shape[batch_axis] += b.shape[batch_axis]
+    out = replace(a, shape=tuple(shape), update_norm=None,
+                  min=float(np.fmin(a.min, b.min)), max=float(np.fmax(a.max, b.max)))
+    for name in _ADD:
+        setattr(out, name, getattr(a, name) + getattr(b, name))
+    for name in _ARRAY_ADD + _UNIT_MIN + ("unit_max",):
+        va, vb = getattr(a, name), getattr(b, name)
+        if va is None or vb is None:
+            setattr(out, name, None)
+        elif name in _ARRAY_ADD:
+            setattr(out, name, va + vb)
+        else:
+            setattr(out, name, (np.fmin if name in _UNIT_MIN else np.fmax)(va, vb))
+    return out

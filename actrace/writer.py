@@ -1,0 +1,178 @@
+"""The crash-safe trace writer of spec/trace-v1.md §Files: buffered readings → part files → one trace.
+
+Every flush writes one complete Parquet part file (temp name, then `os.replace`) into
+`NAME.parquet.parts/`, so a killed process loses only unflushed readings; `close` compacts the
+parts into `NAME.parquet` atomically and removes them.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import __version__
+from .reduce import Reading, reduce_array
+from .schema import META_PREFIX, SPEC_VERSION
+from .table import readings_to_table
+
+PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
+    "run", "layer", "kind", "stream", "param", "dtype", "mode", "probe_fingerprint"],
+    write_statistics=["run", "step", "layer", "stream"])
+
+
+def parts_dir(path: Path) -> Path:
+    return path.with_name(path.name + ".parts")
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    """Write `table` to a temp file beside `path`, then move it into place atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp, **PARQUET_OPTIONS)
+    os.replace(tmp, path)
+
+
+class Writer:
+    """Record readings of any framework into one trace file; use as a context manager.
+
+    >>> with Writer("runs/a.parquet", run="a", framework="jax") as w:   # doctest: +SKIP
+    ...     w.record_activation(step=0, layer="mlp.0", x=h, unit_axis=-1, kind="relu")
+    """
+
+    def __init__(self, path, *, run: str | None = None, framework: str = "numpy",
+                 framework_version: str | None = None, adapter: str = "actrace.numpy",
+                 config: dict | None = None, probe_fingerprint: str | None = None,
+                 probe_size: int | None = None, mode: str | None = None, flush_every: int = 512,
+                 flush_seconds: float = 10.0, overwrite: bool = False):
+        self.path = Path(path)
+        self.parts = parts_dir(self.path)
+        if self.path.exists() or self.parts.exists():
+            if not overwrite:
+                raise FileExistsError(f"{self.path}: a trace is already there; pass overwrite=True "
+                                      f"(or --overwrite) to replace it")
+            self.path.unlink(missing_ok=True)
+            shutil.rmtree(self.parts, ignore_errors=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.parts.mkdir()
+        self.run = run or self.path.name.removesuffix(".parquet")
+        self.mode = mode
+        self.probe_fingerprint = probe_fingerprint
+        self.flush_every, self.flush_seconds = flush_every, flush_seconds
+        self.meta = {
+            "spec_version": SPEC_VERSION, "run_name": self.run, "run_id": uuid.uuid4().hex,
+            "framework": framework, "framework_version": framework_version or "",
+            "adapter": adapter, "adapter_version": __version__,
+            "host": f"{getpass.getuser()}@{socket.gethostname()} ({platform.platform()})",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "config": json.dumps(config or {}, sort_keys=True, default=str),
+            "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""),
+            "mode": mode or "",
+        }
+        self._rows: list[tuple[Reading, dict]] = []
+        self._layer_index: dict[str, int] = {}
+        self._previous_params: dict[tuple[str, str], np.ndarray] = {}
+        self._n_parts = 0
+        self._last_flush = time.monotonic()
+        self.readings_written = 0
+        self.closed = False
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def record(self, step: int, reading: Reading, *, mode: str | None = None,
+               probe_fingerprint: str | None = None, layer_index: int | None = None) -> None:
+        """Buffer one reading taken at `step`; flushes when the buffer or the clock says so."""
+        if self.closed:
+            raise RuntimeError(f"{self.path}: writer is closed")
+        if layer_index is None:
+            layer_index = self._layer_index.setdefault(reading.layer, len(self._layer_index))
+        context = dict(run=self.run, step=int(step), layer_index=int(layer_index),
+                       mode=mode or self.mode, wall_time=time.time(),
+                       probe_fingerprint=probe_fingerprint or (
+                           self.probe_fingerprint if reading.stream in ("activation", "activation_grad") else None))
+        self._rows.append((reading, context))
+        if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def record_tensor(self, step: int, layer: str, x, *, stream: str, kind: str = "other",
+                      unit_axis: int | None = -1, param: str | None = None,
+                      bounds: tuple[float, float] | None = None, per_unit: bool = True,
+                      histogram: bool = True, **context) -> Reading:
+        """Reduce a numpy-convertible tensor with the reference reductions and record it."""
+        reading = reduce_array(x, unit_axis, kind, layer=layer, stream=stream, bounds=bounds,
+                               param=param, per_unit=per_unit, histogram=histogram)
+        self.record(step, reading, **context)
+        return reading
+
+    def record_activation(self, step: int, layer: str, x, *, kind: str, unit_axis: int | None = -1, **kw):
+        """A layer's output on the probe batch; `unit_axis` is the feature/channel axis."""
+        return self.record_tensor(step, layer, x, stream="activation", kind=kind, unit_axis=unit_axis, **kw)
+
+    def record_activation_grad(self, step: int, layer: str, g, *, kind: str, unit_axis: int | None = -1, **kw):
+        """The gradient of the loss with respect to a layer's output."""
+        return self.record_tensor(step, layer, g, stream="activation_grad", kind=kind, unit_axis=unit_axis, **kw)
+
+    def record_param_grad(self, step: int, layer: str, param: str, g, *, kind: str = "other",
+                          unit_axis: int | None = 0, **kw):
+        """The gradient of one parameter tensor (unit axis 0: output features / channels)."""
+        unit_axis = unit_axis if np.ndim(g) else None
+        return self.record_tensor(step, layer, g, stream="param_grad", kind=kind, unit_axis=unit_axis,
+                                  param=param, **kw)
+
+    def record_param(self, step: int, layer: str, param: str, w, *, kind: str = "other",
+                     unit_axis: int | None = 0, **kw):
+        """A parameter tensor; the writer keeps its last value to record the update norm ‖Δw‖."""
+        w = np.asarray(w)
+        unit_axis = unit_axis if w.ndim else None
+        reading = reduce_array(w, unit_axis, kind, layer=layer, stream="param", param=param, **kw)
+        previous = self._previous_params.get((layer, param))
+        if previous is not None and previous.shape == w.shape:
+            reading.update_norm = float(np.linalg.norm((w.astype(np.float64) - previous).ravel()))
+        self._previous_params[(layer, param)] = w.astype(np.float64, copy=True)
+        self.record(step, reading)
+        return reading
+
+    def flush(self) -> None:
+        """Write the buffered readings as one complete part file."""
+        self._last_flush = time.monotonic()
+        if not self._rows:
+            return
+        table = readings_to_table(self._rows)
+        self._n_parts += 1
+        write_parquet(table.replace_schema_metadata(self._file_metadata()),
+                      self.parts / f"part-{self._n_parts:06d}.parquet")
+        self.readings_written += len(self._rows)
+        self._rows.clear()
+
+    def _file_metadata(self) -> dict[str, str]:
+        return {META_PREFIX + k: v for k, v in self.meta.items()}
+
+    def close(self) -> Path:
+        """Flush, compact the part files into the trace atomically, remove the parts."""
+        if self.closed:
+            return self.path
+        self.flush()
+        self.closed = True
+        parts = sorted(self.parts.glob("part-*.parquet"))
+        tables = [pq.read_table(p) for p in parts]
+        if tables:
+            table = pa.concat_tables(tables).replace_schema_metadata(self._file_metadata())
+        else:
+            from .schema import SCHEMA
+            table = SCHEMA.empty_table().replace_schema_metadata(self._file_metadata())
+        write_parquet(table, self.path)
+        shutil.rmtree(self.parts)
+        return self.path

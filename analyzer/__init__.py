@@ -1,0 +1,1 @@
+"""The analyzer: Polars metrics over traces, findings, cross-run comparison and the Altair report."""

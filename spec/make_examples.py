@@ -1,0 +1,160 @@
+"""Regenerate the golden traces in spec/examples/ and their expected values in spec/expected/.
+
+Valid traces are built from tensors whose truth is known by construction; the expected
+per-layer values are computed here from the raw tensors with plain numpy, independently of
+the analyzer. Invalid traces are named mutations of one valid template, one rule each.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import actrace
+
+HERE = Path(__file__).parent / "examples"
+EXPECTED = Path(__file__).parent / "expected"
+THRESHOLDS = {"dead_eps": [0.0, 0.1], "sat_threshold": [0.9, 0.99]}
+
+
+def layers(step: int, rng: np.random.Generator) -> dict:
+    """(tensor, unit_axis, kind, bounds) per layer: 4 of 16 ReLU units killed, 3 of 8 tanh units
+    pinned by a +5 bias, a sigmoid conv in NCHW whose channel 0 is pushed to 0."""
+    relu_in = rng.normal(size=(32, 16))
+    relu_in[:, :4] -= 100.0
+    tanh_in = rng.normal(size=(32, 8)) * 0.5
+    tanh_in[:, :3] += 5.0 + step
+    sig_in = rng.normal(size=(32, 4, 3, 3))
+    sig_in[:, 0] -= 10.0
+    return {
+        "fc1.relu": (np.maximum(relu_in, 0).astype(np.float32), 1, "relu", None),
+        "fc2.tanh": (np.tanh(tanh_in).astype(np.float32), 1, "tanh", None),
+        "conv.sigmoid": ((1 / (1 + np.exp(-sig_in))).astype(np.float32), 1, "sigmoid", None),
+        "relu6": (np.clip(rng.normal(size=(32, 6)) * 4, 0, 6).astype(np.float32), 1, "clip", (0.0, 6.0)),
+    }
+
+
+EDGES = np.array([float(l) for l in (HERE.parent / "bins-v1.txt").read_text().splitlines()
+                  if not l.startswith("#")])
+
+
+def value_bins(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's histogram bin as (lower, upper) value bounds, per spec §Histogram."""
+    mag = np.abs(x)
+    j = np.searchsorted(EDGES, mag, side="right")  # magnitude in [E[j-1], E[j])
+    m_lo = np.where(j == 0, 0.0, EDGES[np.maximum(j - 1, 0)])
+    m_hi = np.where(j == len(EDGES), np.inf, EDGES[np.minimum(j, len(EDGES) - 1)])
+    lo = np.where(x > 0, m_lo, np.where(x < 0, -m_hi, 0.0))
+    hi = np.where(x > 0, m_hi, np.where(x < 0, -m_lo, 0.0))
+    return lo, hi
+
+
+def expected_values(x: np.ndarray, axis: int, kind: str, bounds) -> dict:
+    """The spec's metrics computed straight from the tensor (no trace involved)."""
+    x64 = np.moveaxis(x.astype(np.float64), axis, -1).reshape(-1, x.shape[axis])
+    absmax = np.abs(x64).max(axis=0)
+    out = {f"dead_fraction@{e}": float((absmax <= e).mean()) for e in THRESHOLDS["dead_eps"]}
+    out["sparsity"] = float((x64 == 0).mean())
+    out["mean"], out["std"] = float(x64.mean()), float(x64.std())
+    bounds = bounds or actrace.schema.KIND_BOUNDS[kind]
+    if bounds:
+        lo, hi = bounds
+        c, half = (lo + hi) / 2, (hi - lo) / 2
+        for t in THRESHOLDS["sat_threshold"]:
+            margin = (1 - t) * max(abs(lo), abs(hi))
+            sat = np.abs(x64 - c) >= half - margin - 1e-12
+            b_lo, b_hi = value_bins(x64)
+            sat_by_bin = (b_lo >= hi - margin - 1e-12) | (b_hi <= lo + margin + 1e-12)
+            if max(abs(lo), abs(hi)) == 1:  # the spec's exact case: bins and values agree
+                assert (sat_by_bin == sat).all()
+            out[f"saturation_value@{t}"] = float(sat_by_bin.mean())
+            out[f"saturation_unit@{t}"] = float(sat.all(axis=0).mean())
+    return out
+
+
+def write_valid(name: str, steps=(0, 100), nan: bool = False) -> Path:
+    path = HERE / f"{name}.parquet"
+    rng = np.random.default_rng(7)
+    expected: dict = {"thresholds": THRESHOLDS, "layers": {}}
+    with actrace.Writer(path, run=name, framework="numpy", overwrite=True, mode="eval",
+                        probe_fingerprint="0123456789abcdef", probe_size=32,
+                        config={"example": True}) as w:
+        for step in steps:
+            for layer, (x, axis, kind, bounds) in layers(step, rng).items():
+                if nan and layer == "fc1.relu":
+                    x = x.copy()
+                    x[0, 5], x[1, 6], x[2, 7] = np.nan, np.inf, -np.inf
+                w.record_activation(step, layer, x, kind=kind, unit_axis=axis, bounds=bounds)
+                if not nan:
+                    expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds)
+    if nan:
+        expected["layers"] = {"fc1.relu": {str(s): {"nan_count": 1, "inf_count": 2} for s in steps}}
+    (EXPECTED / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def mutate(template: Path, name: str, change) -> None:
+    table = pq.read_table(template)
+    pq.write_table(change(table), HERE / f"invalid-{name}.parquet")
+
+
+def set_meta(key: str, value: str | None):
+    def change(t: pa.Table) -> pa.Table:
+        meta = dict(t.schema.metadata)
+        meta.pop(f"actrace:{key}".encode())
+        if value is not None:
+            meta[f"actrace:{key}".encode()] = value.encode()
+        return t.replace_schema_metadata(meta)
+    return change
+
+
+def set_column(name: str, fn):
+    def change(t: pa.Table) -> pa.Table:
+        return t.set_column(t.column_names.index(name), name, fn(t[name]))
+    return change
+
+
+def first_row(fn):
+    """Apply `fn` to the python value of row 0 only."""
+    def apply(col):
+        values = col.to_pylist()
+        values[0] = fn(values[0])
+        return pa.array(values, type=col.type)
+    return apply
+
+
+INVALID = {
+    "missing_version": set_meta("spec_version", None),
+    "future_major_version": set_meta("spec_version", "2.0"),
+    "missing_column_units": lambda t: t.drop_columns(["units"]),
+    "wrong_list_length": set_column("unit_max", first_row(lambda v: v[:-1])),
+    "zero_count_exceeds_finite": set_column("zero_count", first_row(lambda v: 10_000)),
+    "unknown_kind": set_column("kind", first_row(lambda v: "swishy")),
+    "bounded_kind_without_bounds": set_column("bound_lo", lambda c: pa.nulls(len(c), pa.float64())),
+    "hist_wrong_bin_count": set_column("hist", first_row(lambda v: v[:100])),
+    "unit_counts_do_not_add_up": set_column("unit_count", first_row(lambda v: [n + 1 for n in v])),
+    "count_below_nan_count": set_column("nan_count", first_row(lambda v: 1_000_000)),
+}
+
+
+def main() -> None:
+    for old in HERE.glob("*.parquet*"):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    template = write_valid("valid-mlp")
+    write_valid("valid-nonfinite", steps=(0,), nan=True)
+    for name, change in INVALID.items():
+        mutate(template, name, change)
+    (HERE / "invalid-truncated.parquet").write_bytes(template.read_bytes()[: template.stat().st_size // 2])
+    (HERE / "invalid-not_parquet.parquet").write_text("step,layer\n0,fc1\n")
+    # a crash leftover: the part files of an unfinished writer, which readers must accept
+    w = actrace.Writer(HERE / "valid-crashed.parquet", run="valid-crashed", flush_every=2, overwrite=True)
+    for step in range(3):
+        w.record_activation(step, "fc", np.arange(-3, 5, dtype=np.float32).reshape(2, 4), kind="relu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The writer: round trip, part files at every flush, atomic compaction, SIGKILL safety."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import actrace
+from actrace.reader import TraceError, read_source
+from actrace.validate import validate
+
+
+def _write(path, steps=3, **kw):
+    rng = np.random.default_rng(1)
+    with actrace.Writer(path, run="r", **kw) as w:
+        for step in range(steps):
+            w.record_activation(step, "fc", rng.normal(size=(8, 4)).astype(np.float32), kind="linear")
+            w.record_param(step, "fc", "weight", rng.normal(size=(4, 3)))
+    return w
+
+
+def test_round_trip_keeps_every_reading_and_the_metadata(tmp_path):
+    w = _write(tmp_path / "a.parquet", config={"lr": 0.1})
+    table, meta = read_source(tmp_path / "a.parquet")
+    assert len(table) == 6 and w.readings_written == 6
+    assert meta["run_name"] == "r" and meta["spec_version"] == actrace.SPEC_VERSION
+    assert meta["config"] == '{"lr": 0.1}'
+    assert not (tmp_path / "a.parquet.parts").exists()
+    assert validate(tmp_path / "a.parquet") == []
+
+
+def test_update_norm_is_the_distance_to_the_previous_parameter_reading(tmp_path):
+    with actrace.Writer(tmp_path / "p.parquet") as w:
+        w.record_param(0, "fc", "weight", np.zeros((2, 2)))
+        w.record_param(1, "fc", "weight", np.full((2, 2), 3.0))
+    norms = actrace.read_table(tmp_path / "p.parquet")["update_norm"].to_pylist()
+    assert norms == [None, 6.0]
+
+
+def test_refuses_to_overwrite_an_existing_trace_unless_told(tmp_path):
+    _write(tmp_path / "a.parquet")
+    with pytest.raises(FileExistsError, match="a.parquet.*overwrite"):
+        actrace.Writer(tmp_path / "a.parquet")
+    _write(tmp_path / "a.parquet", steps=1, overwrite=True)
+    assert len(actrace.read_table(tmp_path / "a.parquet")) == 2
+
+
+def test_every_flush_leaves_a_complete_readable_part_file(tmp_path):
+    w = actrace.Writer(tmp_path / "b.parquet", flush_every=2)
+    for step in range(5):
+        w.record_activation(step, "fc", np.ones((2, 3), np.float32), kind="relu")
+    parts = tmp_path / "b.parquet.parts"
+    assert len(list(parts.glob("part-*.parquet"))) == 2
+    assert len(actrace.read_table(parts)) == 4 and validate(parts) == []
+    w.close()
+    assert len(actrace.read_table(tmp_path / "b.parquet")) == 5
+
+
+def test_flushes_on_the_clock_too(tmp_path):
+    w = actrace.Writer(tmp_path / "c.parquet", flush_every=10_000, flush_seconds=0.05)
+    w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+    time.sleep(0.1)
+    w.record_activation(1, "fc", np.ones((2, 3), np.float32), kind="relu")
+    assert len(actrace.read_table(tmp_path / "c.parquet.parts")) == 2
+    w.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np, actrace
+    w = actrace.Writer(sys.argv[1], flush_every=7)
+    step = 0
+    while True:
+        w.record_activation(step, "fc", np.random.rand(64, 32).astype(np.float32), kind="relu")
+        w.record_activation(step, "out", np.random.rand(64, 8).astype(np.float32), kind="sigmoid")
+        if not w._rows:
+            print(w.readings_written, flush=True)
+        step += 1
+""")
+
+
+def test_sigkill_mid_run_loses_no_flushed_reading(tmp_path):
+    path = tmp_path / "killed.parquet"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    flushed = 0
+    while flushed < 300:
+        flushed = int(child.stdout.readline())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert not path.exists()
+    table = actrace.read_table(path.with_name("killed.parquet.parts"))
+    assert len(table) >= flushed
+    assert validate(path.with_name("killed.parquet.parts")) == []
+    steps = sorted(set(table["step"].to_pylist()))
+    assert steps == list(range(len(steps)))  # nothing missing in the middle
+
+
+def test_reader_names_the_file_of_another_major_version(tmp_path):
+    import pyarrow.parquet as pq
+
+    _write(tmp_path / "a.parquet")
+    t = pq.read_table(tmp_path / "a.parquet")
+    meta = dict(t.schema.metadata)
+    meta[b"actrace:spec_version"] = b"3.1"
+    pq.write_table(t.replace_schema_metadata(meta), tmp_path / "future.parquet")
+    with pytest.raises(TraceError, match=r"future.parquet.*3\.1.*reads 1\.x"):
+        actrace.read_table(tmp_path / "future.parquet")
+
+
+def test_reader_accepts_newer_minor_versions_and_ignores_unknown_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _write(tmp_path / "a.parquet")
+    t = pq.read_table(tmp_path / "a.parquet")
+    meta = dict(t.schema.metadata)
+    meta[b"actrace:spec_version"] = b"1.7"
+    t = t.append_column("unit_p99", pa.array([[1.0]] * len(t))).replace_schema_metadata(meta)
+    pq.write_table(t, tmp_path / "newer.parquet")
+    table = actrace.read_table(tmp_path / "newer.parquet")
+    assert "unit_p99" not in table.column_names and len(table) == 6
+    assert validate(tmp_path / "newer.parquet") == []
