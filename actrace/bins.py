@@ -5,6 +5,8 @@ the saturation edges 0.9, 0.99, 0.999 and 1; exact zero, ±inf each get a bin of
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 _DECADES = 10.0 ** (np.arange(-32, 33) / 4.0)
@@ -26,8 +28,15 @@ def bin_bounds() -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def histogram(values: np.ndarray) -> np.ndarray:
-    """Counts per bin of the non-NaN values (int64, length N_BINS)."""
+def histogram(values: np.ndarray, zeros: int | None = None) -> np.ndarray:
+    """Counts per bin of the non-NaN values (int64, length N_BINS); `zeros`, the number of
+    exact zeros when the caller knows it, spares the float32 path a re-count."""
+    v = np.asarray(values)
+    return histogram_float32(v, zeros) if v.dtype == np.float32 else histogram_exact(v)
+
+
+def histogram_exact(values: np.ndarray) -> np.ndarray:
+    """The definition: each value placed by comparison with the edges (any float dtype)."""
     v = np.asarray(values).ravel()
     v = v[~np.isnan(v)] if v.dtype.kind == "f" and np.isnan(v).any() else v
     mag = np.abs(v)
@@ -37,3 +46,57 @@ def histogram(values: np.ndarray) -> np.ndarray:
     idx = np.where(v == 0, ZERO_BIN, idx)
     idx = np.where(np.isinf(v), np.where(v > 0, POS_INF_BIN, NEG_INF_BIN), idx)
     return np.bincount(idx, minlength=N_BINS).astype(np.int64)
+
+
+# float32 fast path: a float32's bit pattern >> 12 is monotonic in magnitude within each sign,
+# so every bin is a contiguous range of these keys. One bincount over the keys, sums over the
+# ranges, and an exact re-count of the few values whose key straddles an edge give the histogram.
+_SHIFT = 12
+_HALF = 1 << (31 - _SHIFT)                       # keys per sign
+_INF_KEY = int(np.float32(np.inf).view(np.uint32)) >> _SHIFT
+_first_f32 = [np.float32(e) if np.float32(e) >= e else np.nextafter(np.float32(e), np.float32(np.inf))
+              for e in MAGNITUDE_EDGES]
+_edge_bits = np.array([f.view(np.uint32) for f in _first_f32], dtype=np.int64)
+# segments: zero key, below E[0], [E[j], E[j+1]) ..., >= E[-1], inf key
+_STARTS = np.concatenate([[0, 1], _edge_bits >> _SHIFT, [_INF_KEY]])
+_STRADDLING = np.unique(np.concatenate([[_INF_KEY], (_edge_bits >> _SHIFT)[(_edge_bits & 0xFFF) != 0]]))
+_AMBIGUOUS = np.zeros(2 * _HALF, dtype=bool)
+_AMBIGUOUS[_STRADDLING] = _AMBIGUOUS[_STRADDLING + _HALF] = True
+_WITH_ZERO_KEYS = _AMBIGUOUS.copy()
+_WITH_ZERO_KEYS[[0, _HALF]] = True  # zero shares its key with the tiniest subnormals
+_AMBIGUOUS_KEYS, _AMBIGUOUS_KEYS_WITH_ZERO = np.flatnonzero(_AMBIGUOUS), np.flatnonzero(_WITH_ZERO_KEYS)
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A reused intp buffer: fresh multi-MiB temporaries cost page faults at every reading."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, dtype=np.intp)
+    return buf[:n]
+
+
+def _assemble(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """Per-sign segment counts (zero, magnitude bins, inf) → the spec's bin order."""
+    return np.concatenate([[neg[-1]], neg[-2:0:-1], [pos[0] + neg[0]], pos[1:-1], [pos[-1]]])
+
+
+def histogram_float32(values: np.ndarray, zeros: int | None = None) -> np.ndarray:
+    """Same counts as `histogram_exact` for float32 input, several times faster."""
+    bits = np.ascontiguousarray(values).reshape(-1).view(np.uint32)
+    keys = _scratch(bits.size)
+    np.right_shift(bits, _SHIFT, out=keys, casting="unsafe")
+    counts = np.bincount(keys, minlength=2 * _HALF)
+    zero_keys_exact = zeros is not None and counts[0] + counts[_HALF] == zeros
+    ambiguous_keys = _AMBIGUOUS_KEYS if zero_keys_exact else _AMBIGUOUS_KEYS_WITH_ZERO
+    fuzzy = counts[ambiguous_keys]
+    counts[ambiguous_keys] = 0  # straddling keys are re-counted exactly below
+    pos = np.add.reduceat(counts[: _INF_KEY + 1], _STARTS)
+    neg = np.add.reduceat(counts[_HALF: _HALF + _INF_KEY + 1], _STARTS)
+    hist = _assemble(pos, neg)
+    if fuzzy.any():
+        table = _AMBIGUOUS if zero_keys_exact else _WITH_ZERO_KEYS
+        hist += histogram_exact(values.reshape(-1)[table[keys]])
+    return hist.astype(np.int64)

@@ -108,7 +108,7 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
         sum=float(unit_sum.sum()), sumsq=float(unit_sumsq.sum()),
         min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
         max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
-        bounds=bounds, param=param, hist=bins.histogram(x2) if histogram else None,
+        bounds=bounds, param=param, hist=bins.histogram(x2, int(unit_zero.sum())) if histogram else None,
     )
     if per_unit:
         reading = replace(

@@ -106,3 +106,16 @@ def test_merge_refuses_readings_of_different_layers():
 def test_zero_lands_in_its_own_bin():
     r = reduce_array(np.array([[0.0, -0.0, 1e-30]], np.float32), None, "relu")
     assert r.hist[ZERO_BIN] == 2 and r.hist[ZERO_BIN + 1] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.sampled_from([float(e) for e in __import__("actrace").bins.MAGNITUDE_EDGES]),
+    st.sampled_from([-0.0, 0.0, 0.99, -0.999, 1.0]))))
+def test_the_float32_fast_histogram_equals_the_definition(x):
+    from actrace import bins
+
+    np.testing.assert_array_equal(bins.histogram_float32(x), bins.histogram_exact(x))
+    zeros = int((x == 0).sum())
+    np.testing.assert_array_equal(bins.histogram_float32(x, zeros), bins.histogram_exact(x))

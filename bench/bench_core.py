@@ -1,0 +1,52 @@
+"""Core bench: numpy reference reductions on a 256×4096 float32 activation.
+
+Prints readings per second, the ratio to one plain `np.max` pass over the same array (the
+floor), and the bytes on disk per unit per reading after compression.
+Run: .venv/bin/python bench/bench_core.py
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import actrace
+from actrace.reduce import reduce_array
+
+
+def best_of(fn, repeat: int = 15) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    x = np.maximum(rng.normal(size=(256, 4096)), 0).astype(np.float32)
+    floor = best_of(lambda: np.max(x))
+    full = best_of(lambda: reduce_array(x, 1, "relu"))
+    no_hist = best_of(lambda: reduce_array(x, 1, "relu", histogram=False))
+    print(f"activation 256x4096 float32 ({x.nbytes / 2**20:.1f} MiB)")
+    print(f"  np.max floor            {floor * 1e3:8.3f} ms")
+    print(f"  reduce_array            {full * 1e3:8.3f} ms  {1 / full:8.1f} readings/s  {full / floor:6.1f}x floor")
+    print(f"  reduce_array, no hist   {no_hist * 1e3:8.3f} ms  {1 / no_hist:8.1f} readings/s  "
+          f"{no_hist / floor:6.1f}x floor")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "size.parquet"
+        n = 50
+        with actrace.Writer(path) as w:
+            for step in range(n):
+                h = np.maximum(rng.normal(size=(256, 4096)) + rng.normal(size=4096), 0).astype(np.float32)
+                w.record_activation(step, "fc", h, kind="relu")
+        size = path.stat().st_size
+    print(f"  on disk: {size / n / 1024:.1f} KiB per reading, {size / n / 4096:.1f} bytes per unit per reading "
+          f"(zstd, {n} readings of 4096 units)")
+
+
+if __name__ == "__main__":
+    main()
