@@ -8,9 +8,83 @@ import sys
 from .reader import TraceError
 
 EXAMPLES = """examples:
+  actrace demo                                          # the main job on built-in data
+  actrace record model.onnx --probe probe.npz -o runs/b.parquet
+  actrace record -o runs/a.parquet -- python train.py   # a script using actrace.adapters.torch.Monitor
+  actrace report runs/*.parquet -o report.html --baseline a
+  actrace summary runs/ --format csv > metrics.csv
+  actrace check runs/*.parquet --max-dead 0.2 --no-nan
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
 """
+
+
+def progress(message: str) -> None:
+    print(f"actrace: {message}…", file=sys.stderr, flush=True)
+
+
+def analysis(args):
+    """Metrics, findings and comparison for the analyzer commands' common options."""
+    from .analyzer.compare import compare, load_mapping
+    from .analyzer.findings import Rules, findings
+    from .analyzer.metrics import Thresholds, metrics
+
+    th = Thresholds(args.dead_eps, args.sat_threshold)
+    progress("computing metrics")
+    m = metrics(args.paths, th)
+    if m.is_empty():
+        raise ValueError(f"no readings in {' '.join(args.paths)}")
+    rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation") if getattr(args, k, None) is not None})
+    progress("applying findings rules")
+    found = findings(m, rules)
+    mapping = load_mapping(args.mapping) if getattr(args, "mapping", None) else None
+    comparison = compare(m, getattr(args, "baseline", None), mapping=mapping, x=getattr(args, "x", "step"))
+    return m, found, comparison, mapping
+
+
+def cmd_summary(args) -> int:
+    from .analyzer.summary import format_comparison, format_findings, layer_table, machine_metrics
+
+    m, found, comparison, _ = analysis(args)
+    if args.format != "text":
+        text = machine_metrics(m, args.format)
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text)
+            progress(f"wrote {m.height} metric rows to {args.output}")
+        else:
+            sys.stdout.write(text)
+        return 0
+    print(format_findings(found))
+    print()
+    print(layer_table(m))
+    if not comparison.is_empty():
+        print()
+        print(format_comparison(comparison))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .analyzer.report import build_report
+    from .analyzer.summary import format_findings
+
+    m, found, _, mapping = analysis(args)
+    out = build_report(args.paths, m, found, args.output, mapping=mapping, x=args.x, progress=progress)
+    print(format_findings(found))
+    print(f"report: {out} ({out.stat().st_size / 2**20:.1f} MiB; open it in any browser, it works offline)")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .analyzer.check import violations
+
+    m, found, _, _ = analysis(args)
+    bad = violations(m, found, max_dead=args.max_dead, max_saturation=args.max_saturation, no_nan=args.no_nan,
+                     min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm, fail_on=args.fail_on)
+    for line in bad:
+        print(line)
+    print(f"check: {len(bad)} violation(s)" if bad else "check: passed")
+    return 1 if bad else 0
 
 
 def cmd_validate(args) -> int:
@@ -50,6 +124,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    def analyzer_command(name, help_text, func):
+        p = sub.add_parser(name, help=help_text, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("paths", nargs="+", metavar="PATH", help="trace files, .parts dirs, globs or folders")
+        p.add_argument("--dead-eps", type=float, default=0.0, metavar="EPS",
+                       help="a unit is dead when max |h| over the probe is <= EPS (default 0)")
+        p.add_argument("--sat-threshold", type=float, default=0.99, metavar="T",
+                       help="saturated when within (1-T) of a bound, e.g. |tanh| >= T (default 0.99)")
+        p.add_argument("--baseline", metavar="RUN", help="run the others are compared with (default: the first)")
+        p.add_argument("--x", choices=["step", "progress"], default="step",
+                       help="align runs by step or by fraction of training")
+        p.add_argument("--mapping", metavar="FILE", help="layer alignment: CSV run,layer,aligned or JSON")
+        p.set_defaults(func=func)
+        return p
+
+    p = analyzer_command("report", "write a self-contained offline HTML report", cmd_report)
+    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    p = analyzer_command("summary", "findings and a per-layer table in the terminal", cmd_summary)
+    p.add_argument("--format", choices=["text", "json", "csv"], default="text",
+                   help="json/csv: per-(run, layer, step) metrics for machines")
+    p.add_argument("-o", "--output", help="write json/csv here instead of stdout")
+    p = analyzer_command("check", "CI gate: print violations, exit 1 if any", cmd_check)
+    p.add_argument("--max-dead", type=float, metavar="F", help="fail when a layer's dead fraction exceeds F")
+    p.add_argument("--max-saturation", type=float, metavar="F", help="fail when a layer's saturation exceeds F")
+    p.add_argument("--no-nan", action="store_true", help="fail on any NaN or Inf")
+    p.add_argument("--min-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm is below G")
+    p.add_argument("--max-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm exceeds G")
+    p.add_argument("--fail-on", choices=["critical", "warning", "never"], default=None,
+                   help="also fail on findings of this severity (default: critical when no other rule is given)")
     return parser
 
 

@@ -1,0 +1,92 @@
+"""The report's Altair charts: each a small function from a DataFrame to a chart.
+
+Each function returns one self-contained chart (its own parameters), so every chart is embedded
+in its own view and no two share a signal name.
+"""
+from __future__ import annotations
+
+import altair as alt
+import polars as pl
+
+RUN_COLORS = alt.Scale(scheme="category20")
+
+
+def _select(name: str, options: list[str], label: str) -> alt.Parameter:
+    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name=label))
+
+
+def _layer_axis(n_layers: int, sort) -> alt.Y:
+    return alt.Y("layer:N", sort=sort, title="layer (input → output)",
+                 axis=alt.Axis(labelLimit=220, labelFontSize=10 if n_layers < 60 else 7,
+                               labels=n_layers <= 120))
+
+
+def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]]) -> alt.HConcatChart:
+    """Per run (chosen in a menu), a layer × step heatmap for each (column, title, scheme)."""
+    runs = df["run"].unique(maintain_order=True).to_list()
+    run = _select("heatmap_run", runs, "run ")
+    order = df.select("layer", "layer_index").unique().sort("layer_index")["layer"].to_list()
+    n_layers = len(order)
+    height = min(max(12 * n_layers, 160), 1800)
+    charts = []
+    for column, title, scheme in metrics:
+        if column not in df.columns or df[column].is_null().all():
+            continue
+        log = column == "grad_norm"
+        data = df.filter(pl.col(column).is_not_null())
+        charts.append(alt.Chart(data.select("run", "layer", "layer_index", "step", column))
+                      .mark_rect().encode(
+            x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
+            y=_layer_axis(n_layers, order),
+            color=alt.Color(f"{column}:Q", title=title, scale=alt.Scale(
+                scheme=scheme, type="log" if log else "linear", **({} if log else {"domain": [0, 1]}))),
+            tooltip=["layer:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
+        ).transform_filter(alt.datum.run == run).properties(title=title, width=260, height=height))
+    return alt.hconcat(*charts).add_params(run).resolve_scale(color="independent")
+
+
+def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str) -> alt.HConcatChart:
+    """Per aligned layer (chosen in a menu), each metric over x with runs overlaid; click the
+    legend to highlight one run."""
+    layers = df.sort("layer_index")["aligned"].unique(maintain_order=True).to_list()
+    layer = _select("trend_layer", layers, "layer ")
+    highlight = alt.selection_point(name="trend_run", fields=["run"], bind="legend")
+    charts = []
+    for column, title in columns:
+        if column not in df.columns or df[column].is_null().all():
+            continue
+        data = df.filter(pl.col(column).is_not_null()).select("run", "aligned", "x", "step", column)
+        charts.append(alt.Chart(data).mark_line(point=True).encode(
+            x=alt.X("x:Q", title=x_title), y=alt.Y(f"{column}:Q", title=title,
+                                                   scale=alt.Scale(type="log") if column == "grad_norm" else alt.Undefined),
+            color=alt.Color("run:N", scale=RUN_COLORS),
+            opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
+            tooltip=["run:N", "aligned:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
+        ).transform_filter(alt.datum.aligned == layer).properties(title=title, width=300, height=220))
+    return alt.hconcat(*charts).add_params(layer, highlight)
+
+
+def histogram_over_time(hist: pl.DataFrame) -> alt.Chart:
+    """One layer's histogram (chosen run · layer) as bin × step counts, log-coloured."""
+    pairs = hist["pair"].unique(maintain_order=True).to_list()
+    pair = _select("hist_pair", pairs, "run · layer ")
+    order = hist.select("bin", "bin_label").unique().sort("bin", descending=True)["bin_label"].to_list()
+    return alt.Chart(hist).mark_rect().encode(
+        x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
+        y=alt.Y("bin_label:N", sort=order, title="value bin"),
+        color=alt.Color("share:Q", title="share of values", scale=alt.Scale(type="log", scheme="viridis")),
+        tooltip=["step:Q", "bin_label:N", "count:Q", alt.Tooltip("share:Q", format=".2%")],
+    ).transform_filter(alt.datum.pair == pair).add_params(pair).properties(
+        title="histogram over time", width=520, height=420)
+
+
+def gradient_profile(df: pl.DataFrame) -> alt.Chart:
+    """Gradient norm across depth at each run's last gradient reading, runs overlaid."""
+    highlight = alt.selection_point(name="profile_run", fields=["run"], bind="legend")
+    return alt.Chart(df).mark_line(point=True).encode(
+        x=alt.X("layer_index:Q", title="depth (layer index, input → output)"),
+        y=alt.Y("grad_norm:Q", scale=alt.Scale(type="log"), title="gradient L2 norm"),
+        color=alt.Color("run:N", scale=RUN_COLORS),
+        opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
+        tooltip=["run:N", "layer:N", "step:Q", alt.Tooltip("grad_norm:Q", format=".3g")],
+    ).add_params(highlight).properties(title="gradient norm across depth (last reading)", width=560, height=260)

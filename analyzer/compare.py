@@ -1,0 +1,84 @@
+"""Cross-run alignment and comparison: which runs and layers differ most from a baseline run.
+
+Layers align by name when every run has the same layer names, else by order among layers of
+the same kind (`relu[2]` is each run's third ReLU), or by a user mapping file. The x-axis is
+the step, or the fraction of training (`progress`), so runs of different lengths line up.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import polars as pl
+
+COMPARED = ["dead_fraction", "sparsity", "saturation_value", "saturation_unit", "mean", "std", "grad_norm"]
+
+
+def load_mapping(path) -> dict[tuple[str, str], str]:
+    """A mapping file: CSV with columns run,layer,aligned or JSON {run: {layer: aligned}}."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+            return {(run, layer): aligned for run, layers in data.items() for layer, aligned in layers.items()}
+        with path.open(newline="") as f:
+            return {(row["run"], row["layer"]): row["aligned"] for row in csv.DictReader(f)}
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a layer mapping (CSV run,layer,aligned or JSON "
+                         f"{{run: {{layer: aligned}}}}): {exc}") from None
+
+
+def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.DataFrame:
+    """Add `aligned` (a layer key shared across runs) and `x` (step or progress in [0, 1])."""
+    if x not in ("step", "progress"):
+        raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
+    layers = m.select("run", "layer", "layer_index", "kind").unique().sort("run", "layer_index", "layer")
+    names_per_run = layers.group_by("run").agg(pl.col("layer").sort().alias("names"))
+    same_names = names_per_run["names"].n_unique() <= 1
+    if mapping:
+        layers = layers.with_columns(pl.struct("run", "layer").map_elements(
+            lambda r: mapping.get((r["run"], r["layer"]), r["layer"]), return_dtype=pl.String).alias("aligned"))
+    elif same_names:
+        layers = layers.with_columns(pl.col("layer").alias("aligned"))
+    else:
+        order = pl.col("layer_index").rank("dense").over("run", "kind").cast(pl.Int64) - 1
+        layers = layers.with_columns((pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
+    out = m.join(layers.select("run", "layer", "aligned"), on=["run", "layer"], how="left")
+    if x == "progress":
+        span = pl.col("step").max().over("run") - pl.col("step").min().over("run")
+        prog = (pl.col("step") - pl.col("step").min().over("run")) / pl.when(span > 0).then(span).otherwise(1)
+        return out.with_columns(prog.alias("x"))
+    return out.with_columns(pl.col("step").cast(pl.Float64).alias("x"))
+
+
+def compare(m: pl.DataFrame, baseline: str | None = None, *, mapping=None, x: str = "step",
+            top: int = 20) -> pl.DataFrame:
+    """Per metric, the (run, layer) pairs that differ most from the baseline run on average."""
+    runs = m["run"].unique(maintain_order=True).to_list()
+    if len(runs) < 2:
+        return pl.DataFrame()
+    baseline = baseline or runs[0]
+    if baseline not in runs:
+        raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
+    a = align(m, mapping, x)
+    bins = 20  # progress is compared on a grid of 5 % of training; steps compare exactly
+    key = (pl.col("x") * bins).round() / bins if x == "progress" else pl.col("x")
+    long = (a.with_columns(key.alias("x")).unpivot(index=["run", "aligned", "stream", "x"], on=COMPARED,
+                                                  variable_name="metric").drop_nulls("value")
+            .group_by("run", "aligned", "stream", "x", "metric").agg(pl.col("value").mean()))
+    base = long.filter(pl.col("run") == baseline).drop("run").rename({"value": "baseline_value"})
+    other = long.filter(pl.col("run") != baseline)
+    joined = other.join(base, on=["aligned", "stream", "x", "metric"], how="inner")
+    scale = pl.when(pl.col("metric").is_in(["grad_norm", "std"]))
+    diff = scale.then((pl.col("value").abs() + 1e-12).log10() - (pl.col("baseline_value").abs() + 1e-12).log10()
+                      ).otherwise(pl.col("value") - pl.col("baseline_value"))
+    return (joined.with_columns(diff.alias("difference"))
+            .group_by("metric", "run", "aligned", "stream")
+            .agg(pl.col("value").mean(), pl.col("baseline_value").mean(), pl.col("difference").mean(),
+                 pl.len().alias("points"))
+            .with_columns(pl.col("difference").abs().alias("_abs"))
+            .filter(pl.col("_abs") > 1e-9)
+            .sort("_abs", descending=True).drop("_abs")
+            .group_by("metric", maintain_order=True).head(top)
+            .with_columns(pl.lit(baseline).alias("baseline")))

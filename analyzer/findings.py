@@ -1,0 +1,179 @@
+"""Findings: rules that turn metrics into "what is wrong, where, since when" (DOMAIN.md's table).
+
+Every threshold is a field of `Rules`, defaulting to the reference points of DOMAIN.md. A
+growing dead fraction ranks above a larger stable one: trend beats level.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import polars as pl
+
+SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Thresholds of the findings rules (analysis options, never recorded in traces)."""
+
+    max_dead: float = 0.2            # "tens of % means the layer is effectively much narrower"
+    dead_growth: float = 0.05        # rise in dead fraction, first to last reading, that counts as growing
+    max_saturation: float = 0.3      # "over 30 % suggests init or learning-rate trouble"
+    saturation_spike: float = 0.2    # jump between two consecutive readings
+    mean_drift_sigmas: float = 2.0   # |mean| > k·std for unbounded, non-rectified layers
+    collapse_ratio: float = 1e-2     # std fell below this share of its first reading
+    vanishing: float = 1e-5          # gradient norm in the earliest quarter of the layers
+    decay_ratio: float = 1e3         # last-layer / first-layer gradient norm
+    exploding: float = 1.0           # gradient norm above this ...
+    exploding_growth: float = 10.0   # ... and grown by this factor since the first reading
+
+
+@dataclass
+class Finding:
+    severity: str
+    rule: str
+    run: str
+    layer: str
+    step: int
+    evidence: str
+    advice: str
+    score: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+ADVICE = {
+    "nan_inf": "find the first op that overflows: lower the LR, clip gradients, check for log(0) or 0/0",
+    "dead_growing": "something keeps killing units: lower the LR, use leaky ReLU, check init variance",
+    "dead_high": "a fixed capacity tax: weigh it against the validation metric; leaky ReLU or better init",
+    "saturation_high": "activations hit their bounds: lower the LR or re-initialize this layer",
+    "saturation_spike": "activations jumped to their bounds: lower the LR around this step",
+    "mean_drift": "the next layer gets biased inputs: check normalization and biases",
+    "variance_collapse": "all outputs alike (representation collapse): check the loss design, overfitting",
+    "vanishing_gradients": "gradients don't reach early layers: residual connections, shallower net, init",
+    "exploding_gradients": "unstable updates, divergence ahead: clip gradients, lower the LR",
+    "probe_changed": "use the same fixed probe batch at every reading, or the numbers compare different data",
+    "train_mode": "read activations in eval mode: dropout and batch statistics distort dead fraction",
+}
+
+
+def _finding(severity, rule, run, layer, step, evidence, score=0.0) -> Finding:
+    return Finding(severity, rule, run, layer, int(step), evidence, ADVICE[rule], float(score))
+
+
+def _per_layer(m: pl.DataFrame, stream: str):
+    acts = m.filter(pl.col("stream") == stream).sort("run", "layer_index", "layer", "step")
+    for (run, layer), g in acts.group_by(["run", "layer"], maintain_order=True):
+        yield run, layer, g
+
+
+def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
+    out = []
+    for run, layer, g in _per_layer(m, "activation"):
+        steps = g["step"].to_numpy()
+        dead = g["dead_fraction"].fill_null(np.nan).to_numpy()
+        if len(dead) and not np.isnan(dead[-1]):
+            growth = dead[-1] - dead[0]
+            if len(dead) >= 3 and growth >= r.dead_growth and np.polyfit(steps, dead, 1)[0] > 0:
+                start = steps[np.argmax(dead > dead[0] + growth / 2)]
+                out.append(_finding("critical", "dead_growing", run, layer, start,
+                                    f"dead fraction grew from {dead[0]:.0%} to {dead[-1]:.0%} "
+                                    f"(step {steps[0]} → {steps[-1]})", 1 + growth))
+            elif dead[-1] > r.max_dead:
+                start = steps[np.argmax(dead > r.max_dead)]
+                out.append(_finding("warning", "dead_high", run, layer, start,
+                                    f"{dead[-1]:.0%} of units dead at step {steps[-1]}, "
+                                    f"above {r.max_dead:.0%} since step {start}", dead[-1]))
+        sat = g["saturation_value"].fill_null(np.nan).to_numpy()
+        if len(sat) and not np.isnan(sat).all():
+            jumps = np.diff(sat)
+            if len(jumps) and np.nanmax(jumps) >= r.saturation_spike:
+                i = int(np.nanargmax(jumps)) + 1
+                out.append(_finding("warning", "saturation_spike", run, layer, steps[i],
+                                    f"saturation jumped from {sat[i - 1]:.0%} to {sat[i]:.0%}", jumps[i - 1]))
+            elif sat[-1] > r.max_saturation:
+                start = steps[np.argmax(sat > r.max_saturation)]
+                unit = g["saturation_unit"][-1]
+                out.append(_finding("warning", "saturation_high", run, layer, start,
+                                    f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
+                                    f"{steps[-1]}", sat[-1]))
+        std = g["std"].fill_null(np.nan).to_numpy()
+        mean = g["mean"].fill_null(np.nan).to_numpy()
+        kind = g["kind"][0]
+        if len(std) >= 2 and std[0] > 0 and std[-1] < r.collapse_ratio * std[0]:
+            start = steps[np.argmax(std < r.collapse_ratio * std[0])]
+            out.append(_finding("warning", "variance_collapse", run, layer, start,
+                                f"std fell from {std[0]:.3g} to {std[-1]:.3g}", std[0] / max(std[-1], 1e-30)))
+        if kind in ("linear", "conv", "norm", "identity") and len(mean) and std[-1] > 0 \
+                and abs(mean[-1]) > r.mean_drift_sigmas * std[-1]:
+            drift = np.abs(mean) > r.mean_drift_sigmas * std
+            out.append(_finding("warning", "mean_drift", run, layer, steps[np.argmax(drift)],
+                                f"mean {mean[-1]:.3g} is {abs(mean[-1]) / std[-1]:.1f} std from zero",
+                                abs(mean[-1]) / std[-1]))
+    return out
+
+
+def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
+    out = []
+    grads = m.filter((pl.col("stream") == "param_grad") & pl.col("grad_norm").is_not_null())
+    for (run,), g in grads.sort("run", "step", "layer_index").group_by(["run"], maintain_order=True):
+        depth = sorted(set(zip(g["layer_index"].to_list(), g["layer"].to_list())))
+        if len(depth) >= 2:
+            early = {layer for _, layer in depth[: max(1, len(depth) // 4)]}
+            first_layer, last_layer = depth[0][1], depth[-1][1]
+            for (step,), s in g.group_by(["step"], maintain_order=True):
+                norms = dict(zip(s["layer"].to_list(), s["grad_norm"].to_list()))
+                low = {l: n for l, n in norms.items() if l in early and n < r.vanishing}
+                ratio = (norms.get(last_layer, 0) / norms[first_layer]) if norms.get(first_layer) else np.inf
+                if low or ratio > r.decay_ratio:
+                    layer = min(low, key=low.get) if low else first_layer
+                    out.append(_finding("critical", "vanishing_gradients", run, layer, step,
+                                        f"gradient norm {norms.get(layer, 0):.2g} at {layer} vs "
+                                        f"{norms.get(last_layer, 0):.2g} at {last_layer} "
+                                        f"({ratio:.0e}× decay towards the input)", np.log10(max(ratio, 1))))
+                    break
+        for (layer,), s in g.group_by(["layer"], maintain_order=True):
+            norm = s["grad_norm"].to_numpy()
+            steps = s["step"].to_numpy()
+            finite = np.isfinite(norm)
+            if finite.sum() >= 2 and norm[finite][0] > 0:
+                over = finite & (norm > r.exploding) & (norm > r.exploding_growth * norm[finite][0])
+                if over.any():
+                    i = int(np.argmax(over))
+                    out.append(_finding("critical", "exploding_gradients", run, layer, steps[i],
+                                        f"gradient norm grew from {norm[finite][0]:.3g} to {norm[i]:.3g}",
+                                        np.log10(norm[i] / norm[finite][0])))
+                    break
+    return out
+
+
+def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
+    out = []
+    bad = m.filter((pl.col("nan_count") > 0) | (pl.col("inf_count") > 0))
+    for (run,), g in bad.sort("step", "layer_index").group_by(["run"], maintain_order=True):
+        first = g.row(0, named=True)
+        out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
+                            f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
+                            f"{first['nan_count']} NaN, {first['inf_count']} Inf); {g.height} readings affected",
+                            10.0))
+    acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
+    for (run,), g in acts.group_by(["run"], maintain_order=True):
+        fps = g.filter(pl.col("probe_fingerprint").is_not_null())
+        changed = fps.filter(pl.col("probe_fingerprint") != fps["probe_fingerprint"][0]) if fps.height else fps
+        if changed.height:
+            out.append(_finding("warning", "probe_changed", run, changed["layer"][0], changed["step"][0],
+                                f"probe fingerprint changed from {fps['probe_fingerprint'][0]} to "
+                                f"{changed['probe_fingerprint'][0]}"))
+        train = g.filter(pl.col("mode") == "train")
+        if train.height:
+            out.append(_finding("warning", "train_mode", run, train["layer"][0], train["step"][0],
+                                f"{train.height} activation readings taken in train mode"))
+    return out
+
+
+def findings(m: pl.DataFrame, rules: Rules = Rules()) -> list[Finding]:
+    """All findings over a metrics frame, most urgent first."""
+    found = _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
+    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], -f.score, f.run, f.layer))

@@ -1,0 +1,197 @@
+"""`actrace report`: one self-contained, offline HTML page of findings, charts and run metadata.
+
+The Vega/Vega-Lite/vega-embed JavaScript is inlined (vl-convert ships it), so no request leaves
+the page. Every name from a trace is untrusted: HTML tables escape it, and chart specs are
+embedded as JSON with `<` escaped so no string can close the script element.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from actrace import bins
+from actrace.reader import read_source, trace_sources
+
+from . import charts
+from .compare import align
+from .findings import Finding
+
+MAX_STEPS = 60           # heatmap columns per run
+MAX_HIST_PAIRS = 40      # (run, layer) histograms embedded: layers with findings first
+MAX_HIST_STEPS = 24
+
+
+def _thin_steps(df: pl.DataFrame, limit: int) -> pl.DataFrame:
+    """Keep at most `limit` evenly spaced steps per run (first and last always)."""
+    keep = []
+    for (run,), g in df.select("run", "step").unique().sort("step").group_by(["run"]):
+        steps = g["step"].to_numpy()
+        idx = np.unique(np.linspace(0, len(steps) - 1, min(limit, len(steps))).round().astype(int))
+        keep.append(pl.DataFrame({"run": [run] * len(idx), "step": steps[idx]}))
+    return df.join(pl.concat(keep), on=["run", "step"], how="semi") if keep else df
+
+
+def _bin_labels() -> list[str]:
+    lo, hi = bins.bin_bounds()
+    labels = []
+    for i, (a, b) in enumerate(zip(lo, hi)):
+        labels.append("−inf" if i == 0 else "+inf" if i == bins.N_BINS - 1 else "0" if i == bins.ZERO_BIN
+                      else f"[{a:.3g}, {b:.3g})" if a >= 0 else f"({a:.3g}, {b:.3g}]")
+    return labels
+
+
+def histogram_frame(paths, pairs: list[tuple[str, str]]) -> pl.DataFrame:
+    """Long (pair, step, bin, count, share) frame of the chosen layers' activation histograms."""
+    labels = _bin_labels()
+    wanted = set(pairs)
+    frames = []
+    for source in trace_sources(paths):
+        table, _ = read_source(source, ["run", "layer", "stream", "step", "hist"])
+        df = pl.from_arrow(table).filter((pl.col("stream") == "activation") & pl.col("hist").is_not_null())
+        df = df.filter(pl.struct("run", "layer").map_elements(
+            lambda r: (r["run"], r["layer"]) in wanted, return_dtype=pl.Boolean))
+        if df.height:
+            frames.append(_thin_steps(df, MAX_HIST_STEPS))
+    if not frames:
+        return pl.DataFrame()
+    df = pl.concat(frames).with_columns(pl.int_range(bins.N_BINS).implode().alias("bin"))
+    df = df.explode("hist", "bin").filter(pl.col("hist") > 0).rename({"hist": "count"})
+    return df.with_columns(
+        (pl.col("run") + " · " + pl.col("layer")).alias("pair"),
+        (pl.col("count") / pl.col("count").sum().over("run", "layer", "step")).alias("share"),
+        pl.col("bin").map_elements(lambda i: labels[i], return_dtype=pl.String).alias("bin_label"),
+    ).select("pair", "step", "bin", "bin_label", "count", "share")
+
+
+def _table(rows: list[dict], columns: list[str], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in columns) + "</tr>"
+                   for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _spec_json(chart) -> str:
+    return json.dumps(chart.to_dict()).replace("<", "\\u003c").replace("\u2028", "\\u2028")
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>actrace report</title>
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data:">
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
+h1 {{ margin-bottom: 0 }} h2 {{ margin-top: 32px; border-bottom: 1px solid #ddd }}
+table {{ border-collapse: collapse; margin: 8px 0 }} td, th {{ padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top }}
+th {{ background: #f4f4f4 }} .critical td:first-child {{ color: #b00020; font-weight: 600 }}
+tr.critical td:first-child {{ color: #b00020; font-weight: 600 }} tr.warning td:first-child {{ color: #a65f00; font-weight: 600 }}
+.muted {{ color: #777 }} .chart {{ margin: 12px 0 }}
+</style>
+<script>{bundle}</script></head>
+<body>
+<h1>actrace report</h1>
+<p class="muted">{subtitle}</p>
+<h2>Findings</h2>
+{findings}
+{sections}
+<h2>Runs</h2>
+{runs}
+<script>
+const specs = {specs};
+for (const [id, spec] of Object.entries(specs)) {{
+  vegaEmbed('#' + id, spec, {{actions: false, renderer: 'svg'}}).catch(e => {{
+    document.getElementById(id).textContent = 'chart failed: ' + e; console.error(e); }});
+}}
+</script>
+</body></html>
+"""
+
+
+def _findings_html(found: list[Finding]) -> str:
+    if not found:
+        return "<p>No findings: every rule stayed silent.</p>"
+    rows = "".join(
+        f'<tr class="{f.severity}">' + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+            f.severity, f.rule, f.run, f.layer, f.step, f.evidence, f.advice)) + "</tr>" for f in found)
+    head = "".join(f"<th>{c}</th>" for c in ("severity", "rule", "run", "layer", "since step", "evidence",
+                                             "what people usually do"))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, mapping=None, x: str = "step",
+                 progress=lambda msg: None) -> Path:
+    """Write the report for metrics `m` (from `metrics()`) and its findings to `out`."""
+    import altair as alt
+    import vl_convert
+    from altair.utils._importers import vl_version_for_vl_convert
+
+    alt.data_transformers.disable_max_rows()
+    progress("aligning runs")
+    a = align(m, mapping, x)
+    acts = _thin_steps(a.filter(pl.col("stream") == "activation"), MAX_STEPS)
+    grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), MAX_STEPS)
+    heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value")
+    if grads.height:
+        heat = pl.concat([heat, grads.select("run", "layer", "layer_index", "step", "grad_norm")],
+                         how="diagonal_relaxed")
+    specs, sections = {}, []
+
+    def section(title: str, note: str, chart_id: str, chart) -> None:
+        specs[chart_id] = _spec_json(chart)
+        sections.append(f"<h2>{html.escape(title)}</h2><p class='muted'>{note}</p>"
+                        f"<div id='{chart_id}' class='chart'></div>")
+
+    progress("drawing heatmaps")
+    if heat.height:
+        section("Layers × steps", "Per run (menu): dead fraction, saturated share of values and gradient norm "
+                "for every layer and step. Layers run from input (top) to output.", "heatmaps",
+                charts.layer_heatmaps(heat, [("dead_fraction", "dead fraction", "reds"),
+                                             ("saturation_value", "saturation (values)", "oranges"),
+                                             ("grad_norm", "gradient norm", "blues")]))
+    progress("drawing trends")
+    trend_src = pl.concat([acts, grads], how="diagonal_relaxed")
+    if trend_src.height:
+        section("Trends", "Per layer (menu, aligned across runs): runs overlaid; click a run in the legend "
+                "to highlight it.", "trends",
+                charts.trend_lines(trend_src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
+                                               ("saturation_value", "saturation (values)"),
+                                               ("grad_norm", "gradient norm")],
+                                   "fraction of training" if x == "progress" else "step"))
+    if grads.height:
+        last = grads.filter(pl.col("step") == pl.col("step").max().over("run"))
+        section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "
+                "Exploding: above 1 and rising.", "profile", charts.gradient_profile(last))
+    progress("reading histograms")
+    flagged = [(f.run, f.layer) for f in found]
+    layer_pairs = acts.select("run", "layer", "layer_index").unique().sort("run", "layer_index")
+    pairs = list(dict.fromkeys(flagged + [tuple(r) for r in layer_pairs.select("run", "layer").rows()]))
+    hist = histogram_frame(paths, pairs[:MAX_HIST_PAIRS])
+    if hist.height:
+        section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
+                f"own). Shown for {min(len(pairs), MAX_HIST_PAIRS)} of {len(pairs)} layers, those with findings "
+                "first.", "histogram", charts.histogram_over_time(hist))
+    progress("writing page")
+    runs = []
+    for source in trace_sources(paths):
+        meta = read_source(source, ["run"])[1]
+        runs.append({"run": meta.get("run_name"), "framework": f"{meta.get('framework')} "
+                     f"{meta.get('framework_version')}", "adapter": meta.get("adapter"), "mode": meta.get("mode"),
+                     "probe": meta.get("probe_fingerprint"), "created": meta.get("created"),
+                     "host": meta.get("host"), "config": meta.get("config"), "file": str(source)})
+    n_runs = m["run"].n_unique()
+    n_layers = m.select("run", "layer").unique().height
+    page = PAGE.format(
+        bundle=vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert()),
+        subtitle=html.escape(f"{n_runs} run(s), {n_layers} layer readings series, "
+                             f"{len(found)} finding(s)"),
+        findings=_findings_html(found), sections="\n".join(sections),
+        runs=_table(runs, ["run", "framework", "adapter", "mode", "probe", "created", "host", "config", "file"]),
+        specs="{" + ",".join(f'"{k}": {v}' for k, v in specs.items()) + "}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    return out

@@ -1,0 +1,62 @@
+"""The terminal forms of an analysis: findings, a per-layer table, the comparison, CSV/JSON metrics."""
+from __future__ import annotations
+
+import polars as pl
+
+from .findings import Finding
+from .metrics import METRIC_COLUMNS
+
+
+def _fmt(v, pct: bool = False) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return f"{v:.0%}" if pct else f"{v:.3g}"
+
+
+def format_findings(found: list[Finding]) -> str:
+    if not found:
+        return "findings: none (every rule stayed silent)"
+    lines = [f"findings: {len(found)}"]
+    for f in found:
+        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {f.run} / {f.layer} since step {f.step}: {f.evidence}")
+        lines.append(f"  {'':<8} {'':<20} → {f.advice}")
+    return "\n".join(lines)
+
+
+def layer_table(m: pl.DataFrame) -> str:
+    """Per run and layer, the activation metrics at the last reading and the last gradient norm."""
+    act = m.filter(pl.col("stream") == "activation")
+    act = act.filter(pl.col("step") == pl.col("step").max().over("run", "layer"))
+    grad = m.filter(pl.col("stream") == "param_grad")
+    grad = grad.filter(pl.col("step") == pl.col("step").max().over("run", "layer")).select("run", "layer", "grad_norm")
+    t = act.drop("grad_norm").join(grad, on=["run", "layer"], how="full", coalesce=True).sort(
+        "run", "layer_index", nulls_last=True)
+    header = f"  {'layer':<32} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'sparse':>7} {'sat.v':>6} " \
+             f"{'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
+    lines = []
+    for (run,), g in t.group_by(["run"], maintain_order=True):
+        lines += [f"run {run}", header]
+        for r in g.iter_rows(named=True):
+            lines.append(
+                f"  {r['layer'][:32]:<32} {(r['kind'] or '-'):<10} {_fmt(r['units']):>6} {_fmt(r['step']):>7} "
+                f"{_fmt(r['dead_fraction'], True):>6} {_fmt(r['sparsity'], True):>7} "
+                f"{_fmt(r['saturation_value'], True):>6} {_fmt(r['saturation_unit'], True):>6} "
+                f"{_fmt(r['mean']):>9} {_fmt(r['std']):>9} {_fmt(r['grad_norm']):>9}")
+    return "\n".join(lines)
+
+
+def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
+    if c.is_empty():
+        return ""
+    lines = [f"largest differences from baseline run {c['baseline'][0]} (log10 ratio for std and grad_norm):"]
+    for (metric,), g in c.group_by(["metric"], maintain_order=True):
+        for r in g.head(per_metric).iter_rows(named=True):
+            lines.append(f"  {metric:<17} {r['run']} / {r['aligned']}: {_fmt(r['value'])} vs {_fmt(r['baseline_value'])}"
+                         f"  (difference {r['difference']:+.3g})")
+    return "\n".join(lines)
+
+
+def machine_metrics(m: pl.DataFrame, fmt: str) -> str:
+    """Per (run, layer, step) metrics in the documented column order, as CSV or a JSON array of records."""
+    table = m.select(METRIC_COLUMNS)
+    return table.write_csv() if fmt == "csv" else table.write_json()
