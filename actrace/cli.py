@@ -23,6 +23,13 @@ def progress(message: str) -> None:
     print(f"actrace: {message}…", file=sys.stderr, flush=True)
 
 
+def first_run(paths) -> str:
+    """The run of the first trace given: the default baseline."""
+    from .reader import read_source, trace_sources
+
+    return read_source(trace_sources(paths)[0], ["run"])[1].get("run_name")
+
+
 def analysis(args):
     """Metrics, findings and comparison for the analyzer commands' common options."""
     from .analyzer.compare import compare, load_mapping
@@ -38,7 +45,8 @@ def analysis(args):
     progress("applying findings rules")
     found = findings(m, rules)
     mapping = load_mapping(args.mapping) if getattr(args, "mapping", None) else None
-    comparison = compare(m, getattr(args, "baseline", None), mapping=mapping, x=getattr(args, "x", "step"))
+    baseline = getattr(args, "baseline", None) or first_run(args.paths)
+    comparison = compare(m, baseline, mapping=mapping, x=getattr(args, "x", "step"))
     return m, found, comparison, mapping
 
 

@@ -1,0 +1,123 @@
+"""Analyzer metrics and findings on constructed pathologies; silence on a healthy run."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+import actrace
+from actrace.analyzer.compare import align, compare
+from actrace.analyzer.findings import Rules, findings
+from actrace.analyzer.metrics import METRIC_COLUMNS, Thresholds, metrics
+
+from traces import write_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    write_run(d / "healthy.parquet", "healthy")
+    write_run(d / "dying.parquet", "dying", dead=lambda s: s // 25)          # 0 → 20 of 32 units
+    write_run(d / "stable.parquet", "stable", dead=lambda s: 24)             # 75 % dead all along
+    write_run(d / "saturating.parquet", "saturating", tanh_bias=lambda s: 6.0 if s >= 300 else 0.0)
+    write_run(d / "vanishing.parquet", "vanishing", grad_scale=lambda s, i: 10.0 ** (-8 + i))
+    write_run(d / "exploding.parquet", "exploding", grad_scale=lambda s, i: 0.5 * 4 ** (s / 100))
+    write_run(d / "nan.parquet", "nan", nan_at=300)
+    write_run(d / "probe.parquet", "probe", fingerprint=lambda s: "aaaa" if s < 200 else "bbbb")
+    write_run(d / "trainmode.parquet", "trainmode", mode="train")
+    return d
+
+
+def _by_run(found, run):
+    return [f for f in found if f.run == run]
+
+
+def test_metrics_have_the_documented_columns_and_ground_truth(runs):
+    m = metrics(runs / "stable.parquet")
+    assert m.columns[: len(METRIC_COLUMNS)] == METRIC_COLUMNS
+    act = m.filter((pl.col("stream") == "activation") & (pl.col("layer") == "block2.relu"))
+    assert act["dead_fraction"].to_list() == [0.75] * 6
+    healthy = m.filter((pl.col("stream") == "activation") & (pl.col("layer") == "block0.relu"))
+    assert healthy["dead_fraction"].max() == 0 and 0.45 < healthy["sparsity"].mean() < 0.55
+
+
+def test_dead_eps_is_chosen_at_analysis_time(tmp_path):
+    with actrace.Writer(tmp_path / "eps.parquet") as w:
+        w.record_activation(0, "fc", np.array([[0.0, 0.05, 0.5, 2.0]], np.float32), kind="relu")
+    dead = {eps: metrics(tmp_path / "eps.parquet", Thresholds(dead_eps=eps))["dead_fraction"][0]
+            for eps in (0.0, 0.1, 1.0)}
+    assert dead == {0.0: 0.25, 0.1: 0.5, 1.0: 0.75}
+
+
+def test_healthy_run_has_no_finding(runs):
+    assert findings(metrics(runs / "healthy.parquet")) == []
+
+
+def test_growing_dead_fraction_is_found_and_ranks_above_a_larger_stable_one(runs):
+    found = findings(metrics([runs / "dying.parquet", runs / "stable.parquet"]))
+    rules = [(f.rule, f.run, f.layer) for f in found]
+    assert rules.index(("dead_growing", "dying", "block2.relu")) < rules.index(("dead_high", "stable", "block2.relu"))
+    growing = next(f for f in found if f.rule == "dead_growing")
+    assert growing.severity == "critical" and "0% to 62%" in growing.evidence and growing.step > 0
+
+
+def test_saturation_spike_names_the_step(runs):
+    (f,) = [f for f in findings(metrics(runs / "saturating.parquet")) if f.rule.startswith("saturation")]
+    assert (f.rule, f.layer, f.step) == ("saturation_spike", "head.tanh", 300)
+
+
+def test_vanishing_gradients_point_at_the_earliest_layer(runs):
+    found = _by_run(findings(metrics(runs / "vanishing.parquet")), "vanishing")
+    assert [(f.rule, f.layer, f.step) for f in found] == [("vanishing_gradients", "block0.relu", 0)]
+
+
+def test_exploding_gradients_are_found_when_above_one_and_growing(runs):
+    found = [f for f in findings(metrics(runs / "exploding.parquet")) if f.rule == "exploding_gradients"]
+    assert found and all(f.step >= 200 for f in found)
+
+
+def test_nan_reports_first_step_and_layer(runs):
+    (f,) = [f for f in findings(metrics(runs / "nan.parquet")) if f.rule == "nan_inf"]
+    assert (f.step, f.layer, f.severity) == (300, "block3.relu", "critical")
+
+
+def test_probe_change_and_train_mode_are_flagged(runs):
+    assert [(f.rule, f.step) for f in findings(metrics(runs / "probe.parquet"))] == [("probe_changed", 200)]
+    assert [f.rule for f in findings(metrics(runs / "trainmode.parquet"))] == ["train_mode"]
+
+
+def test_thresholds_are_options(runs):
+    m = metrics(runs / "stable.parquet")
+    assert any(f.rule == "dead_high" for f in findings(m))
+    assert not any(f.rule == "dead_high" for f in findings(m, Rules(max_dead=0.8)))
+
+
+def test_runs_with_other_layer_names_align_by_order_among_kinds(tmp_path):
+    write_run(tmp_path / "a.parquet", "a", depth=3)
+    write_run(tmp_path / "b.parquet", "b", depth=3, dead=lambda s: 16,
+              layer_names=["l0", "l1", "l2", "out"])
+    m = metrics(tmp_path)
+    a = align(m)
+    assert sorted(a.filter(pl.col("run") == "b")["aligned"].unique()) == ["relu[0]", "relu[1]", "relu[2]", "tanh[0]"]
+    c = compare(m, "a")
+    top = c.filter(pl.col("metric") == "dead_fraction").row(0, named=True)
+    assert (top["run"], top["aligned"], top["difference"]) == ("b", "relu[2]", 0.5)
+
+
+def test_progress_axis_lines_up_runs_of_different_lengths(tmp_path):
+    write_run(tmp_path / "short.parquet", "short", steps=range(0, 300, 100))
+    write_run(tmp_path / "long.parquet", "long", steps=range(0, 3000, 1000))
+    a = align(metrics(tmp_path), x="progress")
+    assert sorted(a["x"].unique().to_list()) == [0.0, 0.5, 1.0]
+
+
+def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_run(tmp_path / "a.parquet", "a", depth=2)
+    t = pq.read_table(tmp_path / "a.parquet")
+    meta = dict(t.schema.metadata) | {b"actrace:spec_version": b"1.4"}
+    t = t.append_column("new_thing", pa.array([1] * len(t))).replace_schema_metadata(meta)
+    pq.write_table(t, tmp_path / "a.parquet")
+    assert metrics(tmp_path / "a.parquet").height > 0

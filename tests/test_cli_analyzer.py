@@ -1,0 +1,64 @@
+"""`actrace summary` and `actrace check` as a user runs them."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from actrace.analyzer.metrics import METRIC_COLUMNS
+from traces import write_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    write_run(d / "healthy.parquet", "healthy")
+    write_run(d / "dying.parquet", "dying", dead=lambda s: s // 25)
+    write_run(d / "nan.parquet", "nan", nan_at=300)
+    return d
+
+
+def test_summary_prints_findings_and_a_per_layer_table(cli, runs):
+    res = cli("summary", runs / "healthy.parquet", runs / "dying.parquet")
+    assert res.returncode == 0, res.stderr
+    assert "CRITICAL dead_growing" in res.stdout and "dying / block2.relu" in res.stdout
+    assert "run healthy" in res.stdout and "block5.relu" in res.stdout
+    assert "largest differences from baseline run healthy" in res.stdout
+
+
+def test_summary_csv_and_json_have_the_documented_columns(cli, runs):
+    res = cli("summary", runs, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    assert list(rows[0]) == METRIC_COLUMNS and {r["run"] for r in rows} == {"healthy", "dying", "nan"}
+    res = cli("summary", runs / "dying.parquet", "--format", "json", "--dead-eps", "0.5")
+    records = json.loads(res.stdout)
+    assert list(records[0]) == METRIC_COLUMNS
+    last = [r for r in records if r["layer"] == "block2.relu" and r["stream"] == "activation"][-1]
+    assert last["dead_fraction"] == 20 / 32
+
+
+def test_check_exits_one_on_violations_and_zero_when_clean(cli, runs):
+    bad = cli("check", runs / "dying.parquet", "--max-dead", "0.2")
+    assert bad.returncode == 1 and "dying / block2.relu: dead fraction 0.625" in bad.stdout
+    ok = cli("check", runs / "healthy.parquet", "--max-dead", "0.2", "--no-nan")
+    assert ok.returncode == 0 and "check: passed" in ok.stdout
+    nan = cli("check", runs / "nan.parquet", "--no-nan")
+    assert nan.returncode == 1 and "first NaN/Inf at step 300 in block3.relu" in nan.stdout
+
+
+def test_check_without_rules_fails_on_critical_findings(cli, runs):
+    assert cli("check", runs / "dying.parquet").returncode == 1
+    assert cli("check", runs / "healthy.parquet").returncode == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["summary", "nowhere/*.parquet"], "no trace matches"),
+    (["summary", "--sat-threshold", "1.5", "X"], "--sat-threshold must lie in (0, 1)"),
+    (["summary", "--baseline", "zzz", "R"], "--baseline 'zzz' is not one of the runs"),
+])
+def test_bad_arguments_get_a_clear_message(cli, runs, args, message):
+    args = [str(runs) if a in ("X", "R") else a for a in args]
+    res = cli(*args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr

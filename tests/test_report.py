@@ -1,0 +1,67 @@
+"""The report in a real headless Chromium: renders, no script error, no request, names escaped."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from traces import write_run
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+HOSTILE = "<img src=x onerror=alert(1)></script><b>"
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, ):
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("report")
+    write_run(d / "healthy.parquet", "healthy")
+    write_run(d / "dying.parquet", "dying", dead=lambda s: s // 25)
+    write_run(d / "hostile.parquet", HOSTILE, layer_names=[HOSTILE, "b1", "b2", "b3", "b4", "b5", "out"])
+    res = run_cli("report", d / "healthy.parquet", d / "dying.parquet", d / "hostile.parquet", "-o",
+                  d / "report.html", "--baseline", "healthy")
+    assert res.returncode == 0, res.stderr
+    assert "computing metrics" in res.stderr and "writing page" in res.stderr  # progress is shown
+    return d / "report.html"
+
+
+def test_report_renders_offline_with_every_chart_and_no_script_error(report):
+    from playwright.sync_api import sync_playwright
+
+    errors, requests, dialogs = [], [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page()
+        page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: r.url.startswith("file:") or r.url.startswith("data:") or requests.append(r.url))
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(report.as_uri())
+        for chart in ("heatmaps", "trends", "profile", "histogram"):
+            page.wait_for_selector(f"#{chart} svg .mark-rect, #{chart} svg .mark-line, #{chart} svg .mark-symbol",
+                                   state="attached", timeout=20_000)
+        findings_text = page.inner_text("table")
+        page_text = page.inner_text("body")
+        images = page.eval_on_selector_all("img", "els => els.length")
+        bold = page.eval_on_selector_all("b", "els => els.length")
+        browser.close()
+    assert errors == [] and requests == [] and dialogs == []
+    assert "dead_growing" in findings_text and "dying" in findings_text
+    assert HOSTILE in page_text and images == 0 and bold == 0
+
+
+def test_report_is_self_contained(report):
+    text = report.read_text()
+    assert "cdn.jsdelivr" not in text.split("const specs")[1]
+    assert "<script src" not in text and "vegaEmbed" in text
+
+
+def test_report_embeds_layers_in_depth_order(report):
+    spec = json.loads(report.read_text().split("const specs = ")[1].split(";\nfor")[0])
+    heat = spec["heatmaps"]["hconcat"][0]
+    order = heat["encoding"]["y"]["sort"]
+    assert order.index("block0.relu") < order.index("block1.relu") < order.index("block5.relu") < order.index("out")
