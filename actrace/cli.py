@@ -119,11 +119,93 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _config(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--config expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def report_trace(path) -> None:
+    """Say where a recorded trace is, how many readings and steps it holds, and its size."""
+    from pathlib import Path
+
+    from .describe import describe
+    from .writer import parts_dir
+
+    path = Path(path)
+    source = path if path.exists() else parts_dir(path)
+    if not source.exists():
+        print(f"actrace record: no trace was written at {path}", file=sys.stderr)
+        return
+    d = describe(source)
+    state = "" if source == path else " (not compacted: the run did not close its Monitor/Writer)"
+    print(f"actrace record: trace {source}{state}: {d['readings']} readings, {d['steps']['count']} steps, "
+          f"{len(d['layers'])} layers, {d['size_bytes'] / 1024:.1f} KiB", file=sys.stderr)
+
+
+def cmd_record(args) -> int:
+    import os
+    import subprocess
+
+    config = _config(args.config)
+    if args.model:
+        if args.command_line:
+            raise ValueError("give either MODEL.onnx ... or -- COMMAND, not both")
+        from .adapters.onnx import record_onnx
+
+        record_onnx(args.model, args.probe, args.output, run=args.run, config=config, layers=args.layers,
+                    op_types=args.op_types, steps=args.steps, step_pattern=args.step_pattern,
+                    chunk=args.chunk, overwrite=args.overwrite, progress=not args.quiet)
+        report_trace(args.output)
+        return 0
+    if not args.command_line:
+        raise ValueError("nothing to record: give MODEL.onnx --probe FILE, or -- python train.py ARGS")
+    if args.command_line[0] in ("python", "python3"):  # the interpreter actrace (and its torch) runs in
+        args.command_line = [sys.executable] + args.command_line[1:]
+    env = dict(os.environ, ACTRACE_OUT=str(args.output), ACTRACE_CONFIG=json.dumps(config),
+               ACTRACE_OVERWRITE="1" if args.overwrite else "0")
+    if args.run:
+        env["ACTRACE_RUN"] = args.run
+    try:
+        code = subprocess.call(args.command_line, env=env)
+    except FileNotFoundError:
+        raise ValueError(f"cannot run {args.command_line[0]!r}: no such program") from None
+    report_trace(args.output)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actrace", description=__doc__.split(":")[0] + ": per-layer "
                                      "activation and gradient health traces.", epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("record", help="record a trace: an ONNX model on a probe, or a training script",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Record MODEL.onnx (one reading per checkpoint) on a probe through ONNX Runtime, "
+                       "or run `-- COMMAND ...` with the output path and run metadata handed over in environment "
+                       "variables (ACTRACE_OUT, ACTRACE_RUN, ACTRACE_CONFIG) so a Monitor built without out= "
+                       "writes there. The command's exit code passes through.")
+    p.add_argument("model", nargs="*", metavar="MODEL.onnx", help="ONNX model files (checkpoints, globs); "
+                   "or, after --, the command to run")
+    p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace to write (runs/NAME.parquet)")
+    p.add_argument("--run", help="run name (default: the trace's file name)")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="run metadata (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing trace")
+    p.add_argument("--probe", metavar="FILE", help="ONNX: .npz (arrays by input name) or .npy (one input)")
+    p.add_argument("--layers", action="append", metavar="PATTERN", help="ONNX: node or output name glob")
+    p.add_argument("--op-types", metavar="OPS", help="ONNX: comma-separated op types to read (e.g. Relu,Tanh)")
+    p.add_argument("--steps", metavar="N,N,...", help="ONNX: the step of each checkpoint, in the order given")
+    p.add_argument("--step-pattern", metavar="REGEX", help="ONNX: regex whose first group is the step in a file name")
+    p.add_argument("--chunk", type=int, default=256, metavar="N", help="ONNX: probe examples per run (default 256)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_record)
     p = sub.add_parser("validate", help="check traces against the spec (exit 1 if any is invalid)")
     p.add_argument("paths", nargs="+", metavar="PATH", help="trace files, .parts dirs, globs or folders")
     p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
@@ -165,7 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command_line = []
+    if "--" in argv:  # `actrace record -o X -- python train.py ...`: the rest is the command
+        cut = argv.index("--")
+        argv, command_line = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    args.command_line = command_line
     try:
         return args.func(args)
     except (TraceError, FileExistsError, FileNotFoundError, ValueError) as exc:

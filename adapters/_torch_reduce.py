@@ -1,0 +1,165 @@
+"""On-device reductions of torch tensors: the spec's per-unit statistics in few passes, no syncs.
+
+Results stay on the tensor's device until `to_readings` moves every pending reading's numbers
+to the host in one transfer. Values agree with `actrace.reduce.reduce_array` (the tests check).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actrace import bins
+from actrace.reduce import Reading, centre, reduce_array
+from actrace.schema import bounds_for
+
+_EDGES_F32 = torch.tensor(np.array(bins._first_f32, dtype=np.float32))
+_SUM_FIELDS = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist", "shape0")
+_MIN_FIELDS = ("unit_min", "unit_min_dev")
+_MAX_FIELDS = ("unit_max",)
+
+
+@dataclass
+class Pending:
+    """A reading whose statistics are still tensors on the device (mergeable across chunks);
+    `stats` may also hold `update_norm`, a 0-d tensor, for parameter readings."""
+
+    layer: str
+    kind: str
+    stream: str
+    dtype: str
+    shape: tuple
+    unit_axis: int | None
+    bounds: tuple | None
+    param: str | None = None
+    per_unit: bool = True
+    stats: dict = field(default_factory=dict)
+    source: torch.Tensor | None = None  # kept on the CPU path for the rare non-finite re-count
+
+    def merge(self, other: "Pending") -> None:
+        """Fold the statistics of another chunk of the same tensor into this one."""
+        for k, v in other.stats.items():
+            if k in _MIN_FIELDS:
+                self.stats[k] = torch.fmin(self.stats[k], v)
+            elif k in _MAX_FIELDS:
+                self.stats[k] = torch.fmax(self.stats[k], v)
+            else:
+                self.stats[k] = self.stats[k] + v
+        self.source = None if self.source is None or other.source is None else torch.cat([self.source, other.source])
+
+
+def _histogram(x: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":  # numpy's key-range fast path, zero-copy
+        return torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(zeros)))
+    return bucketize_histogram(x)
+
+
+def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
+    """The histogram on any device by binary search over the float32 edges (the CUDA path)."""
+    x = x.float()
+    mag = torch.bucketize(x.abs(), _EDGES_F32.to(x.device), right=True)  # |v| >= f_j ⇔ |v| >= E_j
+    idx = torch.where(x > 0, bins.ZERO_BIN + 1 + mag, bins.ZERO_BIN - 1 - mag)
+    idx = torch.where(x == 0, bins.ZERO_BIN, idx)
+    idx = torch.where(torch.isinf(x), torch.where(x > 0, bins.POS_INF_BIN, bins.NEG_INF_BIN), idx)
+    idx = torch.where(torch.isnan(x), bins.N_BINS, idx)
+    return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
+
+
+def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
+                  bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True) -> Pending:
+    """Reduce a floating tensor over every axis but `unit_axis`, on its device."""
+    x = t.detach()
+    dtype = str(x.dtype).removeprefix("torch.")
+    if not x.is_floating_point():
+        raise TypeError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
+    if x.numel() == 0:
+        raise ValueError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(x.shape)}")
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    bounds = bounds_for(kind, bounds)
+    shape = tuple(x.shape)
+    if unit_axis is None:
+        x, axis = x.reshape(-1, 1), 1
+    else:
+        axis = unit_axis % x.ndim
+    dims = [d for d in range(x.ndim) if d != axis]
+    if not per_unit:  # layer-level only: reduce everything to one "unit"
+        x, dims = x.reshape(-1), [0]
+    s = {
+        "unit_sum": x.sum(dims, dtype=torch.float64),
+        "unit_sumsq": torch.linalg.vector_norm(x, 2, dims, dtype=torch.float64).square(),
+        "unit_min": x.amin(dims),
+        "unit_max": x.amax(dims),
+        "unit_zero": (x == 0).sum(dims),
+        "shape0": torch.tensor(shape[0] if shape else 1),
+    }
+    s["unit_count"] = torch.full_like(s["unit_zero"], x.numel() // max(s["unit_zero"].numel(), 1))
+    c = centre(bounds)
+    if kind == "relu" and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
+        s["unit_min_dev"] = s["unit_min"]
+    else:
+        s["unit_min_dev"] = (x - c).abs().amin(dims) if c else x.abs().amin(dims)
+    if histogram:
+        s["hist"] = _histogram(x, s["unit_zero"].sum())
+    return Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, s,
+                   source=t.detach() if t.device.type == "cpu" else None)
+
+
+def to_readings(pending: list[Pending]) -> list[Reading]:
+    """Move every pending reading's statistics to the host in one transfer and finish them."""
+    if not pending:
+        return []
+    flat = [v.reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
+    host = torch.cat(flat).cpu().numpy()
+    out, pos = [], 0
+    for p in pending:
+        vals = {}
+        for k, v in p.stats.items():
+            vals[k] = host[pos: pos + v.numel()]
+            pos += v.numel()
+        out.append(_finish(p, vals))
+    return out
+
+
+def _finish(p: Pending, v: dict) -> Reading:
+    if not np.isfinite(v["unit_sumsq"]).all():  # a NaN or Inf somewhere: the exact masked path
+        if p.source is None:
+            raise RuntimeError("non-finite values on an accelerator need the source tensor")  # pragma: no cover
+        return reduce_array(p.source.float().cpu().numpy(), p.unit_axis, p.kind, layer=p.layer, stream=p.stream,
+                            bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in v)
+    shape = (int(v["shape0"][0]),) + tuple(p.shape[1:])
+    count = int(np.prod(shape)) if shape else 1
+    units = 1 if p.unit_axis is None else p.shape[p.unit_axis]
+    r = Reading(layer=p.layer, kind=p.kind, stream=p.stream, dtype=p.dtype, shape=shape,
+                unit_axis=None if p.unit_axis is None else p.unit_axis % len(p.shape), units=units,
+                count=count, nan_count=0, inf_count=0, zero_count=int(v["unit_zero"].sum()),
+                sum=float(v["unit_sum"].sum()), sumsq=float(v["unit_sumsq"].sum()),
+                min=float(v["unit_min"].min()), max=float(v["unit_max"].max()), bounds=p.bounds, param=p.param,
+                hist=v["hist"].astype(np.int64) if "hist" in v else None,
+                update_norm=float(v["update_norm"][0]) if "update_norm" in v else None)
+    if p.per_unit:
+        r.unit_count = np.full(units, count // units, dtype=np.int64)
+        r.unit_zero = v["unit_zero"].astype(np.int64)
+        r.unit_sum, r.unit_sumsq = v["unit_sum"], v["unit_sumsq"]
+        r.unit_min, r.unit_max = v["unit_min"].astype(np.float32), v["unit_max"].astype(np.float32)
+        r.unit_min_dev = v["unit_min_dev"].astype(np.float32)
+    return r
+
+
+def all_reduce(pending: list[Pending]) -> None:
+    """Merge every rank's readings of its probe shard: sums, minima and maxima across ranks."""
+    import torch.distributed as dist
+
+    for fields, op in ((_SUM_FIELDS, dist.ReduceOp.SUM), (_MIN_FIELDS, dist.ReduceOp.MIN),
+                       (_MAX_FIELDS, dist.ReduceOp.MAX)):
+        parts = [(p, k) for p in pending for k in fields if k in p.stats]
+        if not parts:
+            continue
+        flat = torch.cat([p.stats[k].reshape(-1).to(torch.float64) for p, k in parts])
+        dist.all_reduce(flat, op=op)
+        pos = 0
+        for p, k in parts:
+            n = p.stats[k].numel()
+            p.stats[k] = flat[pos: pos + n].reshape(p.stats[k].shape).to(p.stats[k].dtype)
+            pos += n

@@ -1,0 +1,100 @@
+"""Analyzer bench: a synthetic corpus of RUNS runs × 32 layers × 100 readings × 512 units.
+
+Times `actrace summary --format json` (a fresh process, as a user runs it) against the floor of
+reading the same columns with pyarrow alone, and against the per-layer dead fraction computed
+by DuckDB in one SQL query; peak memory (max RSS) of the summary; growth with 5, 10, 20 runs;
+`actrace report` time and HTML size.
+Run: .venv/bin/python bench/bench_analyzer.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import actrace
+from actrace.analyzer.metrics import _READ
+from actrace.reader import trace_sources
+
+LAYERS, READINGS, UNITS, BATCH = 32, 100, 512, 64
+
+
+def make_corpus(out: Path, runs: int) -> None:
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in range(runs):
+        path = out / f"run{r:02d}.parquet"
+        if path.exists():
+            continue
+        with actrace.Writer(path, run=f"run{r:02d}", flush_every=4096) as w:
+            for step in range(READINGS):
+                for layer in range(LAYERS):
+                    h = rng.normal(size=(BATCH, UNITS)).astype(np.float32)
+                    h[:, : (step * r) % 64] = -1
+                    w.record_activation(step * 100, f"block{layer:02d}.act", np.maximum(h, 0),
+                                        kind="relu")
+        print(f"  wrote {path.name}", file=sys.stderr, flush=True)
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of a child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    return wall, max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 1024
+
+
+def pyarrow_floor(files: list[Path]) -> float:
+    import pyarrow.parquet as pq
+
+    t0 = time.perf_counter()
+    for f in files:
+        pq.read_table(f, columns=_READ)
+    return time.perf_counter() - t0
+
+
+def duckdb_dead_fraction(files: list[Path]) -> float:
+    import duckdb
+
+    con = duckdb.connect()
+    t0 = time.perf_counter()
+    con.sql(f"""
+        SELECT run, layer, step,
+               list_count(list_filter(list_zip(unit_min, unit_max),
+                                      lambda z: z[1] >= 0 AND z[2] <= 0)) / units AS dead_fraction
+        FROM read_parquet({[str(f) for f in files]})
+        WHERE stream = 'activation'
+    """).fetchall()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/actrace-bench-corpus"))
+    args = parser.parse_args()
+    print("building corpus (once)…", file=sys.stderr)
+    make_corpus(args.out, 20)
+    actrace_cmd = [sys.executable, "-m", "actrace.cli"]
+    print(f"{'runs':>5} {'summary s':>10} {'pyarrow s':>10} {'ratio':>6} {'duckdb s':>9} {'vs duckdb':>9} {'peak MiB':>9}")
+    for runs in (5, 10, 20):
+        files = [args.out / f"run{r:02d}.parquet" for r in range(runs)]
+        floor = min(pyarrow_floor(files) for _ in range(2))
+        duck = min(duckdb_dead_fraction(files) for _ in range(2))
+        wall, peak = timed(actrace_cmd + ["summary", "--format", "json", "-o", "/dev/null", *map(str, files)])
+        print(f"{runs:>5} {wall:>10.2f} {floor:>10.2f} {wall / floor:>6.1f} {duck:>9.2f} {wall / duck:>9.2f} {peak:>9.0f}")
+    files = [str(args.out / f"run{r:02d}.parquet") for r in range(20)]
+    report = args.out / "report.html"
+    wall, peak = timed(actrace_cmd + ["report", *files, "-o", str(report)])
+    print(f"report of 20 runs: {wall:.1f} s, {report.stat().st_size / 2**20:.1f} MiB HTML, peak {peak:.0f} MiB")
+    size = sum(p.stat().st_size for p in trace_sources(files))
+    print(f"corpus: {len(files)} traces, {size / 2**20:.0f} MiB on disk")
+
+
+if __name__ == "__main__":
+    main()

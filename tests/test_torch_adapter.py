@@ -1,0 +1,290 @@
+"""PyTorch adapter: ground truth by construction, agreement with numpy, hooks, DDP, `record`."""
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import warnings
+
+import ml_dtypes
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+import actrace
+from actrace import bins
+from actrace.adapters import _torch_reduce
+from actrace.adapters.torch import Monitor
+from actrace.analyzer.metrics import metrics
+from actrace.reduce import reduce_array
+
+
+def act(path, layer, column="dead_fraction"):
+    m = metrics(path)
+    return m.filter((pl.col("stream") == "activation") & (pl.col("layer") == layer))[column].to_list()
+
+
+def record_once(model, probe, path, **kw):
+    with Monitor(model, probe, path, **kw) as mon:
+        mon.probe_reading(0)
+    return path
+
+
+def test_killed_units_give_exactly_that_dead_fraction(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[:24] = -100.0
+    record_once(model, torch.randn(256, 16), tmp_path / "t.parquet")
+    assert act(tmp_path / "t.parquet", "1") == [24 / 64]
+
+
+def test_healthy_relu_is_half_zeros_and_not_dead(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU())
+    record_once(model, torch.randn(512, 64), tmp_path / "t.parquet")
+    assert act(tmp_path / "t.parquet", "1") == [0.0]
+    assert 0.4 < act(tmp_path / "t.parquet", "1", "sparsity")[0] < 0.6
+
+
+def test_tanh_with_bias_five_is_saturated_per_value_and_per_unit(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+    with torch.no_grad():
+        model[0].weight.mul_(0.1)
+        model[0].bias.fill_(5.0)
+    record_once(model, torch.randn(128, 8), tmp_path / "t.parquet")
+    assert act(tmp_path / "t.parquet", "1", "saturation_value")[0] > 0.95
+    assert act(tmp_path / "t.parquet", "1", "saturation_unit")[0] > 0.95
+
+
+def test_dropout_in_train_mode_is_not_read_as_death_and_modes_are_restored(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+    model.train()
+    probe = torch.randn(8, 16)  # small probe: a 0.5 mask would zero whole units often
+    record_once(model, probe, tmp_path / "train.parquet", include=["2", "1"])
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    record_once(model, probe, tmp_path / "eval.parquet", include=["2", "1"])
+    assert act(tmp_path / "train.parquet", "1") == act(tmp_path / "eval.parquet", "1")
+    with torch.no_grad():
+        masked = nn.functional.dropout(model[1](model[0](probe)), 0.5, training=True)
+    assert (masked.abs().amax(0) == 0).float().mean() > act(tmp_path / "eval.parquet", "1")[0]
+
+
+SHAPES = {"dense": ((32, 48), 1), "nchw": ((8, 6, 5, 7), 1), "nhwc": ((8, 5, 7, 6), 3),
+          "sequence": ((4, 9, 24), 2), "whole": ((16, 12), None)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape,axis", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("kind", ["relu", "tanh", "sigmoid", "linear"])
+def test_device_reductions_equal_the_numpy_reference(shape, axis, kind, dtype):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+    t = {"relu": t.clamp(min=0), "tanh": torch.tanh(t), "sigmoid": torch.sigmoid(t), "linear": t}[kind].to(dtype)
+    t.view(-1)[:3] = 0
+    (got,) = _torch_reduce.to_readings([_torch_reduce.reduce_tensor(t, axis, kind, layer="x")])
+    ref_input = t.float().numpy() if dtype == torch.bfloat16 else t.numpy()
+    want = reduce_array(ref_input, axis, kind, layer="x")
+    assert (got.count, got.zero_count, got.units, got.shape) == (want.count, want.zero_count, want.units, want.shape)
+    np.testing.assert_array_equal(got.hist, want.hist)
+    np.testing.assert_array_equal(got.unit_zero, want.unit_zero)
+    for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_accelerator_histogram_path_equals_the_definition():
+    x = torch.cat([torch.randn(5000) * 10 ** torch.randint(-9, 9, (5000,)).float(),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 0.99, -0.999, 1.0]),
+                   torch.from_numpy(bins.MAGNITUDE_EDGES.astype(np.float32))])
+    got = _torch_reduce.bucketize_histogram(x).numpy()
+    np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
+
+
+def test_nonfinite_activations_fall_back_to_the_exact_count():
+    t = torch.ones(4, 3)
+    t[0, 0], t[1, 1] = float("nan"), float("inf")
+    (r,) = _torch_reduce.to_readings([_torch_reduce.reduce_tensor(t, 1, "linear", layer="x")])
+    assert (r.nan_count, r.inf_count, r.unit_count.tolist()) == (1, 1, [3, 3, 4])
+
+
+def test_chunked_probe_equals_the_whole_probe(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10), nn.Sigmoid())
+    probe = torch.randn(50, 3, 8, 8)
+    whole = actrace.read_table(record_once(model, probe, tmp_path / "w.parquet")).to_pylist()
+    chunked = actrace.read_table(record_once(model, probe, tmp_path / "c.parquet", probe_chunk=7)).to_pylist()
+    assert [r["layer"] for r in whole] == [r["layer"] for r in chunked] == ["0", "1", "3", "4"]
+    for a, b in zip(whole, chunked):
+        # the forward itself rounds differently per batch size (float32), so compare to that tolerance
+        assert a["shape"] == b["shape"] and a["hist"] == b["hist"] and a["unit_zero"] == b["unit_zero"]
+        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
+    conv = whole[1]
+    assert conv["unit_axis"] == 1 and conv["units"] == 8  # NCHW: channels are the units
+
+
+class Head(nn.Module):
+    """A parameterized module whose output is a dict with a float and an integer field."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        logits = x @ self.w
+        return {"logits": logits, "ids": torch.argmax(logits, dim=1)}
+
+
+class TwiceReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.head = nn.Linear(4, 4), nn.ReLU(), Head()
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(self.act(x))))
+
+
+def test_repeated_calls_get_distinct_names_and_dict_fields_are_recorded(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitor(TwiceReLU(), torch.randn(6, 4), tmp_path / "t.parquet") as mon:
+            mon.probe_reading(0)
+            mon.probe_reading(1)
+    layers = actrace.read_table(tmp_path / "t.parquet")["layer"].to_pylist()
+    assert layers[:4] == ["act", "fc", "act#2", "head.logits"] and len(layers) == 8
+    skipped = [w for w in caught if "non-float" in str(w.message)]
+    assert len(skipped) == 1 and "head.ids" in str(skipped[0].message)
+
+
+def test_functional_activations_in_transformer_layers_are_read(tmp_path):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    record_once(model, torch.randn(4, 10, 32), tmp_path / "t.parquet")
+    t = actrace.read_table(tmp_path / "t.parquet").to_pylist()
+    acts = {r["layer"]: r for r in t}
+    assert {"layers.0.activation", "layers.1.activation"} <= set(acts)
+    a = acts["layers.0.activation"]
+    assert a["kind"] == "relu" and a["units"] == 64 and a["min"] == 0.0
+    assert 0.3 < a["zero_count"] / a["count"] < 0.7
+    assert acts["layers.0.linear1"]["units"] == 64  # sequence [B, T, D]: the last axis
+
+
+def test_gradient_readings_record_norms_update_ratio_and_nan_without_raising(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = {}
+    with Monitor(model, torch.randn(8, 4), tmp_path / "g.parquet", probe_every=100) as mon:
+        for step in range(3):
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == 2:
+                model[2].weight.grad[0, 0] = float("nan")
+            grads = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+            before[step] = ({n: p.detach().clone() for n, p in model.named_parameters()}, grads)
+            mon.step(step)
+            opt.step()
+    rows = actrace.read_table(tmp_path / "g.parquet").to_pylist()
+    g = {(r["step"], r["layer"], r["param"]): r for r in rows if r["stream"] == "param_grad"}
+    assert np.sqrt(g[(0, "0", "weight")]["sumsq"]) == pytest.approx(before[0][1]["0.weight"], rel=1e-6)
+    assert g[(2, "2", "weight")]["nan_count"] == 1
+    p = {(r["step"], r["layer"], r["param"]): r for r in rows if r["stream"] == "param"}
+    delta = (before[1][0]["0.weight"] - before[0][0]["0.weight"]).norm().item()
+    assert p[(0, "0", "weight")]["update_norm"] is None
+    assert p[(1, "0", "weight")]["update_norm"] == pytest.approx(delta, rel=1e-6)
+    m = metrics(tmp_path / "g.parquet")
+    assert m.filter(pl.col("stream") == "param")["update_ratio"].drop_nulls().len() > 0
+
+
+def test_activation_gradients_when_asked(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    with Monitor(model, torch.randn(8, 4), tmp_path / "a.parquet", probe_every=100, activation_grads=True) as mon:
+        loss = model(torch.randn(16, 4)).sum()
+        loss.backward()
+        mon.step(0)
+    rows = [r for r in actrace.read_table(tmp_path / "a.parquet").to_pylist() if r["stream"] == "activation_grad"]
+    assert {r["layer"] for r in rows} == {"0", "1"} and all(r["units"] == 8 and r["unit_sum"] for r in rows)
+
+
+def test_hooks_are_removed_on_close(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    Monitor(model, torch.randn(8, 4), tmp_path / "h.parquet").close()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist, torch.nn as nn
+    from actrace.adapters.torch import Monitor
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4])
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5), nn.Tanh())
+    probe = torch.randn(13, 3, 8, 8)
+    with Monitor(model, probe, sys.argv[3], probe_chunk=4) as mon:
+        mon.probe_reading(0)
+    if world > 1:
+        dist.destroy_process_group()
+""")
+
+
+def test_two_gloo_ranks_record_what_one_process_records(tmp_path):
+    import socket
+    import subprocess
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    subprocess.run([sys.executable, script, "0", "1", tmp_path / "single.parquet", port], check=True)
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", tmp_path / "ddp.parquet", port])
+             for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    single = actrace.read_table(tmp_path / "single.parquet").to_pylist()
+    ddp = actrace.read_table(tmp_path / "ddp.parquet").to_pylist()
+    assert len(single) == len(ddp) == 4
+    for a, b in zip(single, ddp):
+        assert (a["layer"], a["shape"], a["count"], a["hist"], a["unit_zero"]) == \
+               (b["layer"], b["shape"], b["count"], b["hist"], b["unit_zero"])
+        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+TRAIN_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn as nn
+    from actrace.adapters.torch import Monitor
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, probe=torch.randn(32, 8), probe_every=2, flush_every=1)
+    for step in range(5):
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); mon.step(step); opt.step()
+    if sys.argv[1] == "crash":
+        raise SystemExit(7)   # dies without closing the monitor
+    mon.close()
+""")
+
+
+def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    res = cli("record", "-o", tmp_path / "runs" / "a.parquet", "--run", "baseline", "--config", "lr=0.1",
+              "--", "python", script, "ok")
+    assert res.returncode == 0, res.stderr
+    assert "runs/a.parquet: " in res.stderr and "steps" in res.stderr and "KiB" in res.stderr
+    d = actrace.read_table(tmp_path / "runs" / "a.parquet")
+    from actrace.reader import read_source
+    meta = read_source(tmp_path / "runs" / "a.parquet")[1]
+    assert meta["run_name"] == "baseline" and meta["config"] == '{"lr": 0.1}' and len(d) > 0
+    crash = cli("record", "-o", tmp_path / "runs" / "b.parquet", "--", "python", script, "crash")
+    assert crash.returncode == 7 and "not compacted" in crash.stderr
+    assert len(actrace.read_table(tmp_path / "runs" / "b.parquet.parts")) == len(d)
