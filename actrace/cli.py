@@ -30,10 +30,7 @@ def first_run(paths) -> str:
     return read_source(trace_sources(paths)[0], ["run"])[1].get("run_name")
 
 
-def analysis(args):
-    """Metrics, findings and comparison for the analyzer commands' common options."""
-    from .analyzer.compare import compare, load_mapping
-    from .analyzer.findings import Rules, findings
+def analysis_metrics(args):
     from .analyzer.metrics import Thresholds, metrics
 
     th = Thresholds(args.dead_eps, args.sat_threshold)
@@ -41,6 +38,15 @@ def analysis(args):
     m = metrics(args.paths, th)
     if m.is_empty():
         raise ValueError(f"no readings in {' '.join(args.paths)}")
+    return m
+
+
+def analysis(args):
+    """Metrics, findings and comparison for the analyzer commands' common options."""
+    from .analyzer.compare import compare, load_mapping
+    from .analyzer.findings import Rules, findings
+
+    m = analysis_metrics(args)
     rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation") if getattr(args, k, None) is not None})
     progress("applying findings rules")
     found = findings(m, rules)
@@ -53,8 +59,8 @@ def analysis(args):
 def cmd_summary(args) -> int:
     from .analyzer.summary import format_comparison, format_findings, layer_table, machine_metrics
 
-    m, found, comparison, _ = analysis(args)
     if args.format != "text":
+        m = analysis_metrics(args)
         text = machine_metrics(m, args.format)
         if args.output:
             with open(args.output, "w") as f:
@@ -63,6 +69,7 @@ def cmd_summary(args) -> int:
         else:
             sys.stdout.write(text)
         return 0
+    m, found, comparison, _ = analysis(args)
     print(format_findings(found))
     print()
     print(layer_table(m))

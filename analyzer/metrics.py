@@ -1,7 +1,8 @@
 """Metrics from traces (spec/trace-v1.md §Metrics): Polars expressions over the raw reductions.
 
-Every threshold is an argument here, never a property of the trace. `metrics()` is lazy and
-reads only the columns it needs, so many runs fit in bounded memory.
+Every threshold is an argument here, never a property of the trace. `metrics()` reads only the
+columns it needs, one trace at a time: per-unit lists are reduced to counts as each trace is
+read, so many runs fit in bounded memory.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from actrace import bins
-from actrace.reader import scan
+from actrace.reader import TraceError, read_source, trace_sources
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
@@ -49,27 +51,45 @@ def saturated_bins(lo: float, hi: float, t: float) -> np.ndarray:
     return ((b_lo >= hi - m - tol) | (b_hi <= lo + m + tol)).astype(np.int64)
 
 
-def dead_fraction(eps: float) -> pl.Expr:
-    """Share of units whose max |h| over the whole probe is ≤ ε."""
-    alive_low = pl.col("unit_min").list.eval((pl.element() >= -eps).cast(pl.Int64))
-    alive_high = pl.col("unit_max").list.eval((pl.element() <= eps).cast(pl.Int64))
-    return ((alive_low * alive_high).list.sum() / pl.col("units")).alias("dead_fraction")
+def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list column as (values, row start offsets, null mask), zero-copy where Arrow allows."""
+    arr = col.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0]: offsets[-1]]
+    return values, offsets[:-1] - offsets[0], arr.is_null().to_numpy(zero_copy_only=False)
+
+
+def _count_per_row(mask: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> np.ndarray:
+    """How many True per list row (NaN for null rows, whose start may sit at the end)."""
+    counts = np.add.reduceat(np.append(mask, False), starts).astype(np.float64)
+    counts[nulls] = np.nan
+    return counts
+
+
+def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
+    """Per row: units dead at ε (max |h| <= ε) and units pinned at threshold t (spec §Metrics).
+
+    Computed on the flattened per-unit lists in one numpy pass each, which is what makes many
+    traces fast to analyze; a NaN unit is neither dead nor pinned.
+    """
+    lo, starts, nulls = _flat(table["unit_min"])
+    hi = _flat(table["unit_max"])[0]
+    with np.errstate(invalid="ignore"):
+        dead = _count_per_row((lo >= -th.dead_eps) & (hi <= th.dead_eps), starts, nulls)
+        dev = _flat(table["unit_min_dev"])[0]
+        b_lo = table["bound_lo"].to_numpy(zero_copy_only=False)
+        b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
+        need = (b_hi - b_lo) / 2 - (1 - th.sat_threshold) * np.maximum(np.abs(b_lo), np.abs(b_hi)) - _TOL
+        lengths = np.diff(np.append(starts, len(dev)))
+        pinned = _count_per_row(dev >= np.repeat(need, lengths), starts, nulls)
+    pinned[np.isnan(b_lo)] = np.nan
+    return {"dead_units": dead, "pinned_units": pinned}
 
 
 def sparsity() -> pl.Expr:
     """Share of individual finite values that are exactly zero (not death)."""
     finite = pl.col("count") - pl.col("nan_count") - pl.col("inf_count")
     return pl.when(finite > 0).then(pl.col("zero_count") / finite).alias("sparsity")
-
-
-def saturation_unit(t: float) -> pl.Expr:
-    """Share of units pinned against a bound for every input (bounded kinds only)."""
-    half = (pl.col("bound_hi") - pl.col("bound_lo")) / 2
-    margin = (1 - t) * pl.max_horizontal(pl.col("bound_lo").abs(), pl.col("bound_hi").abs())
-    need = half - margin - _TOL
-    pinned = (pl.col("unit_min_dev") - need).list.eval(
-        ((pl.element() >= 0) & pl.element().is_not_nan()).cast(pl.Int64)).list.sum()
-    return pl.when(pl.col("bound_lo").is_not_null()).then(pinned / pl.col("units")).alias("saturation_unit")
 
 
 def saturation_value(t: float, bound_pairs: list[tuple[float, float]]) -> pl.Expr:
@@ -98,8 +118,9 @@ def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.Lazy
     """One row per activation-like reading (activation and activation_grad streams)."""
     return lf.filter(pl.col("stream").is_in(["activation", "activation_grad"])).select(
         "run", "layer", "layer_index", "kind", "stream", "step", "units", "mode", "probe_fingerprint",
-        dead_fraction(th.dead_eps), sparsity(), saturation_value(th.sat_threshold, bound_pairs),
-        saturation_unit(th.sat_threshold), *moments(), "min", "max",
+        (pl.col("dead_units") / pl.col("units")).alias("dead_fraction"), sparsity(),
+        saturation_value(th.sat_threshold, bound_pairs),
+        (pl.col("pinned_units") / pl.col("units")).alias("saturation_unit"), *moments(), "min", "max",
         pl.col("sumsq").sqrt().alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
         "nan_count", "inf_count",
@@ -126,15 +147,30 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                    ).drop("_has_update")
 
 
+def readings(paths, th: Thresholds) -> pl.LazyFrame:
+    """Every reading's scalar columns plus its dead and pinned unit counts and histogram, one
+    trace at a time, so memory holds one trace's per-unit lists at most."""
+    frames = []
+    for source in trace_sources(paths):
+        table, _ = read_source(source, _READ)
+        counts = unit_counts(table, th)
+        table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
+        frames.append(pl.from_arrow(table).with_columns(
+            pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
+            pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True)).lazy())
+    if not frames:
+        raise TraceError(f"no traces found in {paths}")
+    return pl.concat(frames, how="diagonal_relaxed")
+
+
 def metrics(paths, th: Thresholds = Thresholds(), *, lazy: bool = False):
     """Per (run, layer, stream, step) metrics of the given traces, sorted for reading."""
-    lf = scan(paths, _READ)
-    bound_pairs = (lf.select("bound_lo", "bound_hi").drop_nulls().unique()
-                   .collect(engine="streaming").rows())
+    lf = readings(paths, th)
+    bound_pairs = lf.select("bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
     act = activation_metrics(lf, th, bound_pairs)
     par = parameter_metrics(lf)
     out = pl.concat([act, par], how="diagonal_relaxed").with_columns(
         pl.when(pl.col("stream").is_in(["param_grad", "activation_grad"])).then(pl.col("norm"))
         .alias("grad_norm"))
     out = out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "step")
-    return out if lazy else out.collect(engine="streaming")
+    return out if lazy else out.collect()
