@@ -76,12 +76,12 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
     hi = _flat(table["unit_max"])[0]
     with np.errstate(invalid="ignore"):
         dead = _count_per_row((lo >= -th.dead_eps) & (hi <= th.dead_eps), starts, nulls)
-        dev = _flat(table["unit_min_dev"])[0]
+        dev, dev_starts, _ = _flat(table["unit_min_dev"])
         b_lo = table["bound_lo"].to_numpy(zero_copy_only=False)
         b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
         need = (b_hi - b_lo) / 2 - (1 - th.sat_threshold) * np.maximum(np.abs(b_lo), np.abs(b_hi)) - _TOL
-        lengths = np.diff(np.append(starts, len(dev)))
-        pinned = _count_per_row(dev >= np.repeat(need, lengths), starts, nulls)
+        lengths = np.diff(np.append(dev_starts, len(dev)))
+        pinned = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
     pinned[np.isnan(b_lo)] = np.nan
     return {"dead_units": dead, "pinned_units": pinned}
 
@@ -151,8 +151,15 @@ def readings(paths, th: Thresholds) -> pl.LazyFrame:
     """Every reading's scalar columns plus its dead and pinned unit counts and histogram, one
     trace at a time, so memory holds one trace's per-unit lists at most."""
     frames = []
+    bounded_only = ("unit_min_dev", "hist")  # needed only where a layer has saturation bounds
     for source in trace_sources(paths):
-        table, _ = read_source(source, _READ)
+        table, _ = read_source(source, [c for c in _READ if c not in bounded_only])
+        if table["bound_lo"].null_count < len(table):
+            extra, _ = read_source(source, list(bounded_only))
+            table = table.append_column("unit_min_dev", extra["unit_min_dev"]).append_column("hist", extra["hist"])
+        else:
+            table = table.append_column("unit_min_dev", pa.nulls(len(table), pa.list_(pa.float32()))) \
+                         .append_column("hist", pa.nulls(len(table), pa.list_(pa.int64())))
         counts = unit_counts(table, th)
         table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
         frames.append(pl.from_arrow(table).with_columns(
