@@ -89,8 +89,16 @@ class Writer:
     def __enter__(self) -> "Writer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self._rows and not self.readings_written:
+            self.discard()  # failed before recording anything: leave no empty trace behind
+        else:
+            self.close()  # keep what was recorded, even when the run failed part way
+
+    def discard(self) -> None:
+        """Close without writing a trace (only sensible when nothing was recorded)."""
+        self.closed = True
+        shutil.rmtree(self.parts, ignore_errors=True)
 
     def record(self, step: int, reading: Reading, *, mode: str | None = None,
                probe_fingerprint: str | None = None, layer_index: int | None = None) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from actrace import bins
-from actrace.reduce import Reading, centre, reduce_array
+from actrace.reduce import Reading, ReductionError, centre, reduce_array
 from actrace.schema import bounds_for
 
 _EDGES_F32 = torch.tensor(np.array(bins._first_f32, dtype=np.float32))
@@ -72,9 +72,9 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     x = t.detach()
     dtype = str(x.dtype).removeprefix("torch.")
     if not x.is_floating_point():
-        raise TypeError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
+        raise ReductionError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
     if x.numel() == 0:
-        raise ValueError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(x.shape)}")
+        raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(x.shape)}")
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     bounds = bounds_for(kind, bounds)

@@ -125,3 +125,15 @@ def test_reader_accepts_newer_minor_versions_and_ignores_unknown_columns(tmp_pat
     table = actrace.read_table(tmp_path / "newer.parquet")
     assert "unit_p99" not in table.column_names and len(table) == 6
     assert validate(tmp_path / "newer.parquet") == []
+
+
+def test_a_run_that_fails_before_recording_leaves_no_trace_but_keeps_partial_ones(tmp_path):
+    with pytest.raises(RuntimeError):
+        with actrace.Writer(tmp_path / "empty.parquet"):
+            raise RuntimeError("model failed to load")
+    assert not (tmp_path / "empty.parquet").exists() and not (tmp_path / "empty.parquet.parts").exists()
+    with pytest.raises(RuntimeError):
+        with actrace.Writer(tmp_path / "partial.parquet") as w:
+            w.record_activation(0, "fc", np.ones((2, 2), np.float32), kind="relu")
+            raise RuntimeError("checkpoint 2 is corrupt")
+    assert len(actrace.read_table(tmp_path / "partial.parquet")) == 1

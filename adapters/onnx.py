@@ -1,0 +1,260 @@
+"""ONNX Runtime adapter: `actrace record MODEL.onnx --probe probe.npz` for any framework that exports ONNX.
+
+The model file is never changed: a copy of the graph lists the chosen intermediate tensors as
+extra graph outputs. ORT keeps every graph output intact under any optimization level (it only
+fuses away tensors that are not outputs), so the session runs at ORT_ENABLE_ALL: the requested
+tensors are exact and the rest of the graph is optimized as usual. Reductions are the core's.
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import actrace
+from actrace.fingerprint import fingerprint
+from actrace.reduce import merge, reduce_array
+
+OP_KINDS = {
+    "Relu": "relu", "LeakyRelu": "leaky_relu", "PRelu": "prelu", "Elu": "elu", "Celu": "elu", "Selu": "selu",
+    "Gelu": "gelu", "Mish": "mish", "Softplus": "softplus", "HardSwish": "hard_swish", "Tanh": "tanh",
+    "Softsign": "softsign", "Sigmoid": "sigmoid", "HardSigmoid": "hard_sigmoid", "Softmax": "softmax",
+    "Clip": "clip", "Gemm": "linear", "MatMul": "linear", "Conv": "conv", "ConvTranspose": "conv",
+}
+CHANNELS_FIRST_OPS = {"Conv", "ConvTranspose", "BatchNormalization", "InstanceNormalization", "MaxPool",
+                      "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "GroupNormalization"}
+ELEMENTWISE_OPS = set(OP_KINDS) - {"Gemm", "MatMul", "Conv", "ConvTranspose", "Softmax"} | {
+    "Add", "Sub", "Mul", "Div", "Dropout", "Identity", "Neg", "Abs", "Sqrt", "Pow", "Erf", "Cast"}
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+class OnnxError(ValueError):
+    """A model or probe that cannot be recorded; the message names the file and what is wrong."""
+
+
+def _load(path: Path):
+    import onnx
+
+    if not path.is_file():
+        raise OnnxError(f"{path}: no such file")
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # protobuf's DecodeError and onnx's own errors
+        raise OnnxError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
+
+
+def _clip_bounds(node, initializers) -> tuple[float, float] | None:
+    from onnx import numpy_helper
+
+    attrs = {a.name: a for a in node.attribute}
+    if "min" in attrs or "max" in attrs:  # opset < 11
+        return attrs["min"].f if "min" in attrs else None, attrs["max"].f if "max" in attrs else None
+    vals = []
+    for name in list(node.input[1:3]) + [""] * (3 - len(node.input)):
+        vals.append(float(numpy_helper.to_array(initializers[name])) if name in initializers else None)
+    return tuple(vals)
+
+
+def select_tensors(model, layers=None, op_types=None) -> list[dict]:
+    """The intermediate tensors to read: (layer name, output, kind, bounds, channels-first flag)."""
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    wanted_ops = set(op_types) if op_types else set(OP_KINDS)
+    unknown = wanted_ops - set(OP_KINDS)
+    if unknown:
+        raise OnnxError(f"--op-types: unknown op type(s) {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(sorted(OP_KINDS))}")
+    channels_first: dict[str, bool] = {}
+    chosen, names = [], set()
+    for i, node in enumerate(graph.node):
+        first = channels_first.get(node.input[0], False) if node.input else False
+        flag = node.op_type in CHANNELS_FIRST_OPS or (node.op_type in ELEMENTWISE_OPS and first)
+        for out in node.output:
+            channels_first[out] = flag
+        if node.op_type not in wanted_ops or not node.output or not node.output[0]:
+            continue
+        name = node.name or node.output[0]
+        if layers and not any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(node.output[0], p) for p in layers):
+            continue
+        kind, bounds = OP_KINDS[node.op_type], None
+        if node.op_type == "Clip":
+            lo, hi = _clip_bounds(node, initializers)
+            if (lo, hi) == (0.0, 6.0):
+                kind, bounds = "relu6", None
+            elif lo is not None and hi is not None:
+                bounds = (lo, hi)
+            else:
+                kind = "other"
+        if name in names:
+            name = f"{name}#{i}"
+        names.add(name)
+        chosen.append(dict(layer=name, output=node.output[0], kind=kind, bounds=bounds, channels_first=flag))
+    if not chosen:
+        raise OnnxError("no tensor matches --layers/--op-types in this model")
+    return chosen
+
+
+def _session(model, tensors: list[dict], path: Path):
+    import onnx
+    import onnxruntime as ort
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(copy)
+    except Exception:  # shape inference is a help, not a requirement
+        inferred = copy
+    types = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    existing = {o.name for o in copy.graph.output}
+    for t in tensors:
+        if t["output"] not in existing:
+            vi = types.get(t["output"]) or onnx.helper.make_tensor_value_info(t["output"], onnx.TensorProto.FLOAT, None)
+            copy.graph.output.append(vi)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(copy.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise OnnxError(f"{path}: ONNX Runtime cannot run this model: {exc}") from None
+
+
+def load_probe(path) -> dict[str, np.ndarray]:
+    """A probe file: .npz (arrays by input name) or .npy (a single-input model's input)."""
+    path = Path(path)
+    if not path.is_file():
+        raise OnnxError(f"--probe {path}: no such file")
+    try:
+        if path.suffix == ".npy":
+            return {"": np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except Exception as exc:
+        raise OnnxError(f"--probe {path}: not a .npz or .npy file ({exc})") from None
+
+
+def _feeds(session, probe: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """Match probe arrays to the model's inputs, checking names, ranks, fixed sizes and dtypes."""
+    inputs = session.get_inputs()
+    if "" in probe:
+        if len(inputs) != 1:
+            raise OnnxError(f"{path}: the model has {len(inputs)} inputs ({', '.join(i.name for i in inputs)}); "
+                            f"give the probe as an .npz with one array per input name")
+        probe = {inputs[0].name: probe[""]}
+    feeds = {}
+    for inp in inputs:
+        if inp.name not in probe:
+            raise OnnxError(f"{path}: the probe has no array for input {inp.name!r} "
+                            f"(it has: {', '.join(probe) or 'nothing'})")
+        a = probe[inp.name]
+        want = ORT_TYPES.get(inp.type)
+        if want is not None and a.dtype != want:
+            if a.dtype.kind == np.dtype(want).kind or {a.dtype.kind, np.dtype(want).kind} <= {"i", "u"}:
+                a = a.astype(want)
+            else:
+                raise OnnxError(f"{path}: input {inp.name!r} expects {inp.type}, the probe holds {a.dtype}")
+        if len(inp.shape) != a.ndim or any(isinstance(d, int) and d != s for d, s in zip(inp.shape[1:], a.shape[1:])):
+            raise OnnxError(f"{path}: input {inp.name!r} expects shape {inp.shape}, the probe holds {list(a.shape)}")
+        feeds[inp.name] = a
+    sizes = {len(a) for a in feeds.values()}
+    if len(sizes) != 1:
+        raise OnnxError(f"--probe: inputs have different numbers of examples: {sizes}")
+    return feeds
+
+
+def _chunks(session, feeds: dict, chunk: int, path: Path):
+    n = len(next(iter(feeds.values())))
+    fixed = {i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+    if fixed:
+        size = fixed.pop()
+        if n % size:
+            raise OnnxError(f"{path}: the model's batch size is fixed at {size}; the probe's {n} examples "
+                            f"are not a multiple of it")
+        chunk = size
+    for start in range(0, n, chunk):
+        yield {k: v[start: start + chunk] for k, v in feeds.items()}
+
+
+def read_checkpoint(path: Path, probe: dict, *, layers=None, op_types=None, chunk: int = 256) -> list:
+    """One probe reading of one ONNX model: a merged Reading per chosen tensor."""
+    model = _load(path)
+    tensors = select_tensors(model, layers, op_types)
+    session = _session(model, tensors, path)
+    feeds = _feeds(session, probe, path)
+    names = [t["output"] for t in tensors]
+    merged: dict[str, object] = {}
+    for part in _chunks(session, feeds, chunk, path):
+        try:
+            outputs = session.run(names, part)
+        except Exception as exc:
+            raise OnnxError(f"{path}: ONNX Runtime failed on the probe: {exc}") from None
+        for t, value in zip(tensors, outputs):
+            value = np.asarray(value)
+            if value.dtype.kind != "f" or value.size == 0:
+                continue
+            axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
+            r = reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
+            merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
+    return list(merged.values())
+
+
+def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[tuple[int, Path]]:
+    """(step, path) sorted by step: from --steps, or a number in each file name."""
+    if steps:
+        values = [int(s) for s in str(steps).split(",")]
+        if len(values) != len(paths):
+            raise OnnxError(f"--steps gives {len(values)} steps for {len(paths)} models")
+        return sorted(zip(values, paths))
+    pattern = re.compile(step_pattern or r"(\d+)(?!.*\d)")
+    out = []
+    for p in paths:
+        m = pattern.search(p.stem)
+        if m is None and len(paths) > 1:
+            raise OnnxError(f"{p}: no step number in the file name; use --steps or --step-pattern")
+        out.append((int(m.group(1)) if m else 0, p))
+    return sorted(out)
+
+
+def _bar(i: int, n: int, text: str) -> None:
+    width = 24
+    done = int(width * i / n)
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text[:60]:<60}", end="" if i < n else "\n",
+          file=sys.stderr, flush=True)
+
+
+def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_types=None, steps=None,
+                step_pattern=None, chunk: int = 256, overwrite: bool = False, progress: bool = True) -> Path:
+    """Record one probe reading per ONNX checkpoint, in step order, into one trace."""
+    import onnxruntime as ort
+
+    paths = []
+    for m in models:
+        found = sorted(glob.glob(str(m))) if glob.has_magic(str(m)) else [str(m)]
+        if not found:
+            raise OnnxError(f"{m}: no model matches this pattern")
+        paths += [Path(f) for f in found]
+    if not probe:
+        raise OnnxError("--probe is required with an ONNX model (.npz by input name, or .npy)")
+    probe_arrays = load_probe(probe)
+    op_types = op_types.split(",") if isinstance(op_types, str) else op_types
+    order = checkpoint_steps(paths, steps, step_pattern)
+    n_probe = len(next(iter(probe_arrays.values())))
+    with actrace.Writer(out, run=run, framework="onnxruntime", framework_version=ort.__version__,
+                        adapter="actrace.adapters.onnx", config=dict(config or {}, graph_optimization="ORT_ENABLE_ALL"),
+                        probe_fingerprint=fingerprint(probe_arrays if len(probe_arrays) > 1
+                                                      else next(iter(probe_arrays.values()))),
+                        probe_size=n_probe, mode="eval", overwrite=overwrite) as w:
+        for i, (step, path) in enumerate(order):
+            if progress:
+                _bar(i, len(order), f"step {step}: {path.name}")
+            for index, reading in enumerate(read_checkpoint(path, probe_arrays, layers=layers, op_types=op_types,
+                                                            chunk=chunk)):
+                w.record(step, reading, layer_index=index)
+        if progress:
+            _bar(len(order), len(order), "done")
+    return Path(out)
