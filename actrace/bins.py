@@ -48,10 +48,10 @@ def histogram_exact(values: np.ndarray) -> np.ndarray:
     return np.bincount(idx, minlength=N_BINS).astype(np.int64)
 
 
-# float32 fast path: a float32's bit pattern >> 12 is monotonic in magnitude within each sign,
+# float32 fast path: a float32's bit pattern >> _SHIFT is monotonic in magnitude within each sign,
 # so every bin is a contiguous range of these keys. One bincount over the keys, sums over the
 # ranges, and an exact re-count of the few values whose key straddles an edge give the histogram.
-_SHIFT = 12
+_SHIFT = 14
 _HALF = 1 << (31 - _SHIFT)                       # keys per sign
 _INF_KEY = int(np.float32(np.inf).view(np.uint32)) >> _SHIFT
 _first_f32 = [np.float32(e) if np.float32(e) >= e else np.nextafter(np.float32(e), np.float32(np.inf))
@@ -59,7 +59,7 @@ _first_f32 = [np.float32(e) if np.float32(e) >= e else np.nextafter(np.float32(e
 _edge_bits = np.array([f.view(np.uint32) for f in _first_f32], dtype=np.int64)
 # segments: zero key, below E[0], [E[j], E[j+1]) ..., >= E[-1], inf key
 _STARTS = np.concatenate([[0, 1], _edge_bits >> _SHIFT, [_INF_KEY]])
-_STRADDLING = np.unique(np.concatenate([[_INF_KEY], (_edge_bits >> _SHIFT)[(_edge_bits & 0xFFF) != 0]]))
+_STRADDLING = np.unique(np.concatenate([[_INF_KEY], (_edge_bits >> _SHIFT)[(_edge_bits & ((1 << _SHIFT) - 1)) != 0]]))
 _AMBIGUOUS = np.zeros(2 * _HALF, dtype=bool)
 _AMBIGUOUS[_STRADDLING] = _AMBIGUOUS[_STRADDLING + _HALF] = True
 _WITH_ZERO_KEYS = _AMBIGUOUS.copy()

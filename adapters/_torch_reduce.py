@@ -84,17 +84,26 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     else:
         axis = unit_axis % x.ndim
     dims = [d for d in range(x.ndim) if d != axis]
-    if not per_unit:  # layer-level only: reduce everything to one "unit"
-        x, dims = x.reshape(-1), [0]
+    shape0 = torch.tensor(shape[0] if shape else 1)
+    if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
+        flat = x.reshape(-1)
+        lo, hi = torch.aminmax(flat)
+        s = {"unit_sum": flat.sum(), "unit_sumsq": torch.dot(flat, flat), "unit_min": lo, "unit_max": hi,
+             "unit_zero": flat.numel() - torch.count_nonzero(flat), "shape0": shape0,
+             "unit_count": torch.tensor(flat.numel())}
+        return Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, s,
+                       source=t.detach() if t.device.type == "cpu" else None)
+    # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
     s = {
-        "unit_sum": x.sum(dims, dtype=torch.float64),
-        "unit_sumsq": torch.linalg.vector_norm(x, 2, dims, dtype=torch.float64).square(),
+        "unit_sum": x.sum(dims),
+        "unit_sumsq": x.square().sum(dims),
         "unit_min": x.amin(dims),
         "unit_max": x.amax(dims),
-        "unit_zero": (x == 0).sum(dims),
-        "shape0": torch.tensor(shape[0] if shape else 1),
+        "shape0": shape0,
     }
-    s["unit_count"] = torch.full_like(s["unit_zero"], x.numel() // max(s["unit_zero"].numel(), 1))
+    per = x.numel() // s["unit_sum"].numel()
+    s["unit_zero"] = per - torch.count_nonzero(x, dims)
+    s["unit_count"] = torch.full_like(s["unit_zero"], per)
     c = centre(bounds)
     if kind == "relu" and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
         s["unit_min_dev"] = s["unit_min"]

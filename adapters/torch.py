@@ -84,13 +84,15 @@ def _dist():
 
 
 class Monitor:
-    """Watch a model: probe readings every `probe_every` steps, gradient readings every `grad_every`.
+    """Watch a model: probe readings every `probe_every` steps, gradient readings every `grad_every`,
+    parameter readings (norm, update ratio) every `param_every` (default: with the probe).
 
     >>> monitor = Monitor(model, probe=x_probe, out="runs/a.parquet")   # doctest: +SKIP
     >>> ... loss.backward(); monitor.step(step); optimizer.step()
     """
 
     def __init__(self, model: nn.Module, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
+                 param_every: int | None = None,
                  run: str | None = None, config: dict | None = None, include=None, exclude=None,
                  types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
@@ -102,6 +104,7 @@ class Monitor:
         self.inner = getattr(model, "module", model)  # DistributedDataParallel wraps the model
         self.probe = probe
         self.probe_every, self.grad_every = probe_every, grad_every
+        self.param_every = param_every or probe_every
         self.probe_chunk, self.histogram = probe_chunk, histogram
         self.activation_grads = activation_grads
         self.unit_axes = unit_axes or {}
@@ -260,25 +263,33 @@ class Monitor:
             all_reduce(pending)
         return self._write(step, to_readings(pending))
 
-    def gradient_reading(self, step: int) -> int:
-        """Record each parameter's gradient, its value, and its update norm since the last reading."""
-        pending = []
+    def _parameters(self):
         for name, (module, kind) in self.layers.items():
             for pname, p in module.named_parameters(recurse=False):
-                axis = 0 if p.ndim else None
-                if p.grad is not None:
-                    pending.append(reduce_tensor(p.grad, axis, kind, layer=name, stream="param_grad", param=pname,
-                                                 per_unit=False, histogram=False))
-                value = reduce_tensor(p, axis, kind, layer=name, stream="param", param=pname, per_unit=False,
-                                      histogram=False)
-                prev = self._previous.get((name, pname))
-                if prev is None:
-                    self._previous[(name, pname)] = p.detach().clone()
-                else:
-                    value.stats["update_norm"] = torch.linalg.vector_norm(p.detach() - prev, dtype=torch.float64)
-                    prev.copy_(p.detach())
-                pending.append(value)
+                yield name, kind, pname, p, (0 if p.ndim else None)
+
+    def gradient_reading(self, step: int) -> int:
+        """Record every parameter's gradient (layer-level: norm, extremes, zeros, NaN/Inf), and the
+        activation gradients captured in the last backward when `activation_grads` is on."""
+        pending = [reduce_tensor(p.grad, axis, kind, layer=name, stream="param_grad", param=pname,
+                                 per_unit=False, histogram=False)
+                   for name, kind, pname, p, axis in self._parameters() if p.grad is not None]
         pending, self._grad_pending = pending + self._grad_pending, []
+        return self._write(step, to_readings(pending), mode="train")
+
+    def parameter_reading(self, step: int) -> int:
+        """Record every parameter tensor and its update norm ‖w − w_prev‖ since the last parameter reading."""
+        pending = []
+        for name, kind, pname, p, axis in self._parameters():
+            value = reduce_tensor(p, axis, kind, layer=name, stream="param", param=pname, per_unit=False,
+                                  histogram=False)
+            prev = self._previous.get((name, pname))
+            if prev is None:
+                self._previous[(name, pname)] = p.detach().clone()
+            else:
+                value.stats["update_norm"] = torch.linalg.vector_norm(p.detach() - prev, dtype=torch.float64)
+                prev.copy_(p.detach())
+            pending.append(value)
         return self._write(step, to_readings(pending), mode="train")
 
     def _write(self, step: int, readings, mode: str | None = None) -> int:
@@ -293,11 +304,14 @@ class Monitor:
         return len(readings)
 
     def step(self, step: int) -> None:
-        """Call once per training step after `backward()`: gradient and probe readings when due."""
+        """Call once per training step after `backward()` (before `optimizer.step()`): gradient,
+        parameter and probe readings when due."""
         if step % self.probe_every == 0:
             self.probe_reading(step)
         if step % self.grad_every == 0:
             self.gradient_reading(step)
+        if step % self.param_every == 0:
+            self.parameter_reading(step)
         self._steps_seen += 1
 
     def close(self):

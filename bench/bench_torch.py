@@ -130,7 +130,8 @@ def main() -> None:
                 opt.step()
 
             plain = timeit(train_step, args.repeat, sync)
-            mon = Monitor(model, probe, f"{d}/g.parquet", probe_every=10**9, grad_every=1, flush_every=10_000_000)
+            mon = Monitor(model, probe, f"{d}/g.parquet", probe_every=10**9, grad_every=1, param_every=10**9,
+                          flush_every=10_000_000)
 
             def watched_step():
                 loss = loss_fn(model(x))

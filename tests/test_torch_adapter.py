@@ -180,7 +180,7 @@ def test_gradient_readings_record_norms_update_ratio_and_nan_without_raising(tmp
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     before = {}
-    with Monitor(model, torch.randn(8, 4), tmp_path / "g.parquet", probe_every=100) as mon:
+    with Monitor(model, torch.randn(8, 4), tmp_path / "g.parquet", probe_every=100, param_every=1) as mon:
         for step in range(3):
             loss = model(torch.randn(16, 4)).pow(2).mean()
             opt.zero_grad()
