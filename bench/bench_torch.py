@@ -3,7 +3,8 @@
 For three models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
 transformer encoder, d=256, on 32×128 tokens), side by side in one run:
   - a plain `no_grad` eval forward of the probe (the reference, 1.00×);
-  - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer);
+  - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer),
+    and the same without histograms (`Monitor(histogram=False)`);
   - forward hooks calling `.mean().item()`, `.std().item()`, `.min().item()`, `.max().item()` and
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
@@ -89,7 +90,7 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeat}")
-    header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'per-stat':>9} {'tensorboard':>11} " \
+    header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'per-stat':>9} {'tensorboard':>11} " \
              f"{'train ms':>9} {'+grads':>7}"
     print(header)
     from torch.utils.tensorboard import SummaryWriter
@@ -107,6 +108,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             mon = Monitor(model, probe, f"{d}/t.parquet", flush_every=10_000_000)
             ours = timeit(lambda: mon.probe_reading(0), args.repeat, sync)
+            mon.close()
+            mon = Monitor(model, probe, f"{d}/n.parquet", flush_every=10_000_000, histogram=False)
+            no_hist = timeit(lambda: mon.probe_reading(0), args.repeat, sync)
             mon.close()
             handles = hooks_per_statistic(model)
             per_stat = timeit(forward, args.repeat, sync)
@@ -142,7 +146,8 @@ def main() -> None:
 
             watched = timeit(watched_step, args.repeat, sync)
             mon.close()
-        print(f"{name:<18} {base * 1e3:>10.1f} {ours / base:>7.2f}x {per_stat / base:>8.2f}x {tensorboard / base:>10.2f}x "
+        print(f"{name:<18} {base * 1e3:>10.1f} {ours / base:>7.2f}x {no_hist / base:>7.2f}x {per_stat / base:>8.2f}x "
+              f"{tensorboard / base:>10.2f}x "
               f"{plain * 1e3:>9.1f} {watched / plain:>6.2f}x")
 
 
