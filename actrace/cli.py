@@ -188,11 +188,24 @@ def cmd_record(args) -> int:
     return code
 
 
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actrace", description=__doc__.split(":")[0] + ": per-layer "
                                      "activation and gradient health traces.", epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("demo", help="train five small runs that go wrong in the classic ways, record and report",
+                       description="The main job on built-in synthetic data (no downloads, about a minute on two "
+                       "CPU cores): trains five small PyTorch runs (healthy, dying ReLU, saturated tanh, vanishing "
+                       "gradients, NaN), exports one to ONNX and records it through ONNX Runtime, then writes "
+                       "DIR/runs/*.parquet and DIR/report.html and prints the findings.")
+    p.add_argument("-o", "--output", default="actrace-demo", metavar="DIR", help="where to write (default actrace-demo)")
+    p.set_defaults(func=cmd_demo)
     p = sub.add_parser("record", help="record a trace: an ONNX model on a probe, or a training script",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Record MODEL.onnx (one reading per checkpoint) on a probe through ONNX Runtime, "

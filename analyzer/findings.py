@@ -26,7 +26,7 @@ class Rules:
     vanishing: float = 1e-5          # gradient norm in the earliest quarter of the layers
     decay_ratio: float = 1e3         # last-layer / first-layer gradient norm
     exploding: float = 1.0           # gradient norm above this ...
-    exploding_growth: float = 10.0   # ... and grown by this factor since the first reading
+    exploding_growth: float = 10.0   # ... and this many times the median of the layer's earlier readings
 
 
 @dataclass
@@ -99,8 +99,10 @@ def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                 out.append(_finding("warning", "saturation_high", run, layer, start,
                                     f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
                                     f"{steps[-1]}", sat[-1]))
-        std = g["std"].fill_null(np.nan).to_numpy()
-        mean = g["mean"].fill_null(np.nan).to_numpy()
+        clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
+        std = g["std"].fill_null(np.nan).to_numpy()[clean]
+        mean = g["mean"].fill_null(np.nan).to_numpy()[clean]
+        steps = steps[clean]
         kind = g["kind"][0]
         if len(std) >= 2 and std[0] > 0 and std[-1] < r.collapse_ratio * std[0]:
             start = steps[np.argmax(std < r.collapse_ratio * std[0])]
@@ -125,8 +127,11 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
             first_layer, last_layer = depth[0][1], depth[-1][1]
             for (step,), s in g.group_by(["step"], maintain_order=True):
                 norms = dict(zip(s["layer"].to_list(), s["grad_norm"].to_list()))
+                top = norms.get(last_layer) or 0.0
+                if not (np.isfinite(list(norms.values())).all() and top > 0):
+                    continue  # a broken or zero signal at the output says nothing about depth
                 low = {l: n for l, n in norms.items() if l in early and n < r.vanishing}
-                ratio = (norms.get(last_layer, 0) / norms[first_layer]) if norms.get(first_layer) else np.inf
+                ratio = top / norms[first_layer] if norms.get(first_layer) else np.inf
                 if low or ratio > r.decay_ratio:
                     layer = min(low, key=low.get) if low else first_layer
                     out.append(_finding("critical", "vanishing_gradients", run, layer, step,
@@ -137,14 +142,14 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
         for (layer,), s in g.group_by(["layer"], maintain_order=True):
             norm = s["grad_norm"].to_numpy()
             steps = s["step"].to_numpy()
-            finite = np.isfinite(norm)
-            if finite.sum() >= 2 and norm[finite][0] > 0:
-                over = finite & (norm > r.exploding) & (norm > r.exploding_growth * norm[finite][0])
-                if over.any():
-                    i = int(np.argmax(over))
+            for i in range(5, len(norm)):  # against the median of the history, not the tiny first step
+                history = norm[:i][np.isfinite(norm[:i])]
+                if len(history) >= 5 and np.isfinite(norm[i]) and norm[i] > r.exploding \
+                        and norm[i] > r.exploding_growth * np.median(history):
                     out.append(_finding("critical", "exploding_gradients", run, layer, steps[i],
-                                        f"gradient norm grew from {norm[finite][0]:.3g} to {norm[i]:.3g}",
-                                        np.log10(norm[i] / norm[finite][0])))
+                                        f"gradient norm rose to {norm[i]:.3g} from a median of "
+                                        f"{np.median(history):.3g} before step {steps[i]}",
+                                        np.log10(norm[i] / max(np.median(history), 1e-30))))
                     break
     return out
 

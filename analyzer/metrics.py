@@ -111,7 +111,7 @@ def moments() -> list[pl.Expr]:
     n = _finite_n()
     mean = pl.when(n > 0).then(pl.col("sum") / n)
     var = pl.when(n > 0).then(pl.col("sumsq") / n - (pl.col("sum") / n) ** 2)
-    return [mean.alias("mean"), pl.max_horizontal(var, pl.lit(0.0)).sqrt().alias("std")]
+    return [mean.alias("mean"), pl.when(n > 0).then(pl.max_horizontal(var, pl.lit(0.0)).sqrt()).alias("std")]
 
 
 def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.LazyFrame:
@@ -135,8 +135,9 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
         pl.col("layer_index").first(), pl.col("kind").first(), pl.col("units").first(),
         pl.col("mode").first(), pl.col("probe_fingerprint").first(),
         (pl.col("sum").sum() / n.sum()).alias("mean"),
-        pl.max_horizontal(pl.col("sumsq").sum() / n.sum() - (pl.col("sum").sum() / n.sum()) ** 2,
-                          pl.lit(0.0)).sqrt().alias("std"),
+        pl.when(n.sum() > 0).then(pl.max_horizontal(pl.col("sumsq").sum() / n.sum()
+                                                    - (pl.col("sum").sum() / n.sum()) ** 2, pl.lit(0.0)).sqrt())
+        .alias("std"),
         pl.col("min").min(), pl.col("max").max(),
         pl.col("sumsq").sum().sqrt().alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).max().alias("max_abs"),

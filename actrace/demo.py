@@ -1,0 +1,151 @@
+"""`actrace demo`: five small PyTorch runs that go wrong in the classic ways (and one that does
+not), one of them also exported to ONNX and recorded as another team would, analyzed into one
+report. Built-in synthetic data, no downloads, about a minute on two CPU cores.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+STEPS, PROBE_EVERY, BATCH, IN_DIM, CLASSES = 400, 20, 128, 32, 10
+EXPORT_EVERY = 100
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    name: str
+    story: str
+    activation: str = "relu"
+    depth: int = 4
+    width: int = 64
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    bias_init: float | None = None
+    blow_up_at: int | None = None   # step from which the learning rate is multiplied by 1e6
+
+
+RUNS = [
+    DemoRun("healthy-relu", "a ReLU MLP trained sensibly: nothing should be flagged"),
+    DemoRun("dying-relu", "learning rate 30x too high: ReLU units die, more and more", lr=0.03),
+    DemoRun("saturated-tanh", "tanh layers initialized with a large bias: pinned at ±1", activation="tanh",
+            bias_init=3.0),
+    DemoRun("vanishing-sigmoid", "a deep sigmoid stack: gradients vanish towards the input", activation="sigmoid",
+            depth=12, width=32, optimizer="sgd", lr=0.1),
+    DemoRun("nan-loss", "the learning rate explodes at step 200: the loss goes NaN", optimizer="sgd", lr=0.05,
+            blow_up_at=200),
+]
+ONNX_RUN = "dying-relu"
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _data(torch):
+    """A fixed synthetic task: labels from a random two-layer teacher; a held-out probe batch."""
+    g = torch.Generator().manual_seed(1234)
+    teacher = (torch.randn(IN_DIM, 64, generator=g), torch.randn(64, CLASSES, generator=g))
+
+    def batch(n):
+        x = torch.randn(n, IN_DIM, generator=g)
+        return x, (torch.tanh(x @ teacher[0]) @ teacher[1]).argmax(1)
+
+    probe = batch(256)[0]
+    return batch, probe
+
+
+def build_model(run: DemoRun, torch):
+    nn = torch.nn
+    act = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[run.activation]
+    layers, width = OrderedDict(), IN_DIM
+    for i in range(1, run.depth + 1):
+        layers[f"fc{i}"] = nn.Linear(width, run.width)
+        layers[f"{run.activation}{i}"] = act()
+        width = run.width
+    layers["head"] = nn.Linear(width, CLASSES)
+    model = nn.Sequential(layers)
+    if run.bias_init is not None:
+        with torch.no_grad():
+            for name, m in model.named_children():
+                if name.startswith("fc"):
+                    m.bias.fill_(run.bias_init)
+    return model
+
+
+def train(run: DemoRun, out: Path, export_dir: Path | None, torch) -> None:
+    from .adapters.torch import Monitor
+
+    torch.manual_seed(0)
+    batch, probe = _data(torch)
+    model = build_model(run, torch)
+    opt = (torch.optim.Adam if run.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=run.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with Monitor(model, probe, out, run=run.name, probe_every=PROBE_EVERY, param_every=PROBE_EVERY,
+                 config={"story": run.story, "activation": run.activation, "depth": run.depth,
+                         "optimizer": run.optimizer, "lr": run.lr}, overwrite=True) as monitor:
+        for step in range(STEPS + 1):
+            if step == run.blow_up_at:
+                for group in opt.param_groups:
+                    group["lr"] *= 1e6
+            x, y = batch(BATCH)
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            monitor.step(step)
+            if export_dir is not None and step % EXPORT_EVERY == 0:  # the weights the probe reading saw
+                export_dir.mkdir(parents=True, exist_ok=True)
+                model.eval()
+                torch.onnx.export(model, (probe[:2],), export_dir / f"step_{step}.onnx", input_names=["x"],
+                                  dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+                model.train()
+            opt.step()
+
+
+def run_demo(out_dir) -> int:
+    """Train, record, export, analyze, report; prints the findings and where the report is."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from .adapters.onnx import record_onnx
+    from .analyzer.findings import findings
+    from .analyzer.metrics import metrics
+    from .analyzer.report import build_report
+    from .analyzer.summary import format_findings
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    out_dir = Path(out_dir)
+    runs_dir = out_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    traces = []
+    for i, run in enumerate(RUNS, 1):
+        say(f"[{i}/{len(RUNS) + 2}] PyTorch: training {run.name} ({run.story}), {STEPS} steps")
+        export = out_dir / "onnx" / run.name if run.name == ONNX_RUN else None
+        train(run, runs_dir / f"{run.name}.parquet", export, torch)
+        traces.append(runs_dir / f"{run.name}.parquet")
+    _, probe = _data(torch)
+    np.save(out_dir / "probe.npy", probe.numpy())
+    say(f"[{len(RUNS) + 1}/{len(RUNS) + 2}] ONNX Runtime: recording the exported checkpoints of {ONNX_RUN} "
+        f"as another team would: actrace record {out_dir}/onnx/{ONNX_RUN}/step_*.onnx --probe {out_dir}/probe.npy")
+    onnx_trace = runs_dir / f"{ONNX_RUN}-onnx.parquet"
+    record_onnx(sorted((out_dir / "onnx" / ONNX_RUN).glob("step_*.onnx")), out_dir / "probe.npy", onnx_trace,
+                run=f"{ONNX_RUN}-onnx", config={"team": "B", "exported_from": ONNX_RUN}, overwrite=True,
+                op_types=["Relu", "Gemm"])
+    traces.append(onnx_trace)
+    say(f"[{len(RUNS) + 2}/{len(RUNS) + 2}] analyzing {len(traces)} traces")
+    m = metrics(traces)
+    found = findings(m)
+    report = build_report(traces, m, found, out_dir / "report.html", progress=lambda msg: say(f"  {msg}…"))
+    print(format_findings(found))
+    print(f"\ntraces:  {runs_dir}/  ({len(traces)} runs: {', '.join(p.stem for p in traces)})")
+    print(f"report:  {report}  (open it in a browser; it works offline)")
+    print(f"again:   actrace summary {runs_dir}   |   actrace report {runs_dir}/*.parquet -o report.html")
+    say(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    return 0

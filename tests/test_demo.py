@@ -1,0 +1,68 @@
+"""`actrace demo`: each pathology appears in its run and is found; the healthy run stays silent."""
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from actrace.analyzer.compare import align
+from actrace.analyzer.findings import findings
+from actrace.analyzer.metrics import metrics
+from actrace.validate import validate
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from conftest import run_cli
+
+    out = tmp_path_factory.mktemp("demo")
+    res = run_cli("demo", "-o", out, timeout=300)
+    assert res.returncode == 0, res.stderr
+    m = metrics(out / "runs")
+    return out, res, m, findings(m)
+
+
+def _found(found, run):
+    return {(f.rule, f.layer) for f in found if f.run == run}
+
+
+def test_demo_writes_valid_traces_and_a_report_and_says_where(demo):
+    out, res, _, _ = demo
+    assert sorted(p.stem for p in (out / "runs").glob("*.parquet")) == [
+        "dying-relu", "dying-relu-onnx", "healthy-relu", "nan-loss", "saturated-tanh", "vanishing-sigmoid"]
+    assert validate(out / "runs") == []
+    assert (out / "report.html").stat().st_size > 100_000
+    assert f"report:  {out / 'report.html'}" in res.stdout and "[1/7] PyTorch: training" in res.stderr
+
+
+def test_healthy_run_has_no_finding(demo):
+    assert _found(demo[3], "healthy-relu") == set()
+
+
+def test_dying_relu_is_found_growing_in_pytorch_and_in_its_onnx_export(demo):
+    found = demo[3]
+    assert ("dead_growing", "relu2") in _found(found, "dying-relu")
+    assert ("dead_growing", "/relu2/Relu") in _found(found, "dying-relu-onnx")
+
+
+def test_saturated_tanh_is_found_in_its_tanh_layers(demo):
+    assert {("saturation_high", f"tanh{i}") for i in (2, 3, 4)} <= _found(demo[3], "saturated-tanh")
+
+
+def test_vanishing_gradients_are_found_at_the_first_layer(demo):
+    assert ("vanishing_gradients", "fc1") in _found(demo[3], "vanishing-sigmoid")
+
+
+def test_nan_is_found_at_its_first_step(demo):
+    (nan,) = [f for f in demo[3] if f.run == "nan-loss" and f.rule == "nan_inf"]
+    assert 200 <= nan.step <= 205
+    assert ("exploding_gradients", "fc1") in _found(demo[3], "nan-loss")
+
+
+def test_pytorch_and_onnx_readings_of_the_same_checkpoints_agree(demo):
+    m = align(demo[2].filter(pl.col("run").is_in(["dying-relu", "dying-relu-onnx"])
+                             & (pl.col("kind") == "relu") & (pl.col("stream") == "activation")))
+    onnx = m.filter(pl.col("run") == "dying-relu-onnx").select("aligned", "step", "dead_fraction")
+    torch = m.filter(pl.col("run") == "dying-relu").select("aligned", "step", "dead_fraction")
+    joined = onnx.join(torch, on=["aligned", "step"], suffix="_torch")
+    assert joined.height == 4 * 5  # four ReLU layers at five checkpoints
+    assert (joined["dead_fraction"] == joined["dead_fraction_torch"]).all()
