@@ -11,8 +11,17 @@ import polars as pl
 RUN_COLORS = alt.Scale(scheme="category20")
 
 
-def _select(name: str, options: list[str], label: str) -> alt.Parameter:
-    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name=label))
+def _select(name: str, options: list[str], label: str, default: str | None = None) -> alt.Parameter:
+    value = default if default in options else options[0]
+    return alt.param(name=name, value=value, bind=alt.binding_select(options=options, name=label))
+
+
+def _plottable(df: pl.DataFrame, column: str) -> pl.DataFrame:
+    """Rows a chart can draw: non-null, and finite and positive where the scale is logarithmic."""
+    keep = pl.col(column).is_not_null()
+    if column == "grad_norm":
+        keep &= pl.col(column).is_finite() & (pl.col(column) > 0)
+    return df.filter(keep)
 
 
 def _layer_axis(n_layers: int, sort) -> alt.Y:
@@ -21,10 +30,10 @@ def _layer_axis(n_layers: int, sort) -> alt.Y:
                                labels=n_layers <= 120))
 
 
-def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]]) -> alt.HConcatChart:
+def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]], default_run=None) -> alt.HConcatChart:
     """Per run (chosen in a menu), a layer × step heatmap for each (column, title, scheme)."""
     runs = df["run"].unique(maintain_order=True).to_list()
-    run = _select("heatmap_run", runs, "run ")
+    run = _select("heatmap_run", runs, "run ", default_run)
     order = df.select("layer", "layer_index").unique().sort("layer_index")["layer"].to_list()
     n_layers = len(order)
     height = min(max(12 * n_layers, 160), 1800)
@@ -33,7 +42,7 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]]) -> alt
         if column not in df.columns or df[column].is_null().all():
             continue
         log = column == "grad_norm"
-        data = df.filter(pl.col(column).is_not_null())
+        data = _plottable(df, column)
         charts.append(alt.Chart(data.select("run", "layer", "layer_index", "step", column))
                       .mark_rect().encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
@@ -45,45 +54,48 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]]) -> alt
     return alt.hconcat(*charts).add_params(run).resolve_scale(color="independent")
 
 
-def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str) -> alt.HConcatChart:
+def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
+                default_layer=None) -> alt.VConcatChart:
     """Per aligned layer (chosen in a menu), each metric over x with runs overlaid; click the
     legend to highlight one run."""
     layers = df.sort("layer_index")["aligned"].unique(maintain_order=True).to_list()
-    layer = _select("trend_layer", layers, "layer ")
+    layer = _select("trend_layer", layers, "layer ", default_layer)
     highlight = alt.selection_point(name="trend_run", fields=["run"], bind="legend")
     charts = []
     for column, title in columns:
         if column not in df.columns or df[column].is_null().all():
             continue
-        data = df.filter(pl.col(column).is_not_null()).select("run", "aligned", "x", "step", column)
+        data = _plottable(df, column).select("run", "aligned", "x", "step", column)
         charts.append(alt.Chart(data).mark_line(point=True).encode(
             x=alt.X("x:Q", title=x_title), y=alt.Y(f"{column}:Q", title=title,
                                                    scale=alt.Scale(type="log") if column == "grad_norm" else alt.Undefined),
             color=alt.Color("run:N", scale=RUN_COLORS),
             opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
             tooltip=["run:N", "aligned:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
-        ).transform_filter(alt.datum.aligned == layer).properties(title=title, width=300, height=220))
-    return alt.hconcat(*charts).add_params(layer, highlight)
+        ).transform_filter(alt.datum.aligned == layer).properties(title=title, width=340, height=200))
+    rows = [alt.hconcat(*charts[i: i + 2]) for i in range(0, len(charts), 2)]
+    return alt.vconcat(*rows).add_params(layer, highlight)
 
 
-def histogram_over_time(hist: pl.DataFrame) -> alt.Chart:
+def histogram_over_time(hist: pl.DataFrame, default_pair: str | None = None) -> alt.Chart:
     """One layer's histogram (chosen run · layer) as bin × step counts, log-coloured."""
     pairs = hist["pair"].unique(maintain_order=True).to_list()
-    pair = _select("hist_pair", pairs, "run · layer ")
+    pair = _select("hist_pair", pairs, "run · layer ", default_pair)
+    n_bins = hist["bin"].n_unique()
     order = hist.select("bin", "bin_label").unique().sort("bin", descending=True)["bin_label"].to_list()
     return alt.Chart(hist).mark_rect().encode(
         x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
-        y=alt.Y("bin_label:N", sort=order, title="value bin"),
+        y=alt.Y("bin_label:N", sort=order, title="value bin", axis=alt.Axis(labelFontSize=9 if n_bins < 50 else 7)),
         color=alt.Color("share:Q", title="share of values", scale=alt.Scale(type="log", scheme="viridis")),
         tooltip=["step:Q", "bin_label:N", "count:Q", alt.Tooltip("share:Q", format=".2%")],
     ).transform_filter(alt.datum.pair == pair).add_params(pair).properties(
-        title="histogram over time", width=520, height=420)
+        title="histogram over time", width=520, height=min(max(9 * n_bins, 240), 900))
 
 
 def gradient_profile(df: pl.DataFrame) -> alt.Chart:
     """Gradient norm across depth at each run's last gradient reading, runs overlaid."""
     highlight = alt.selection_point(name="profile_run", fields=["run"], bind="legend")
-    return alt.Chart(df).mark_line(point=True).encode(
+    return alt.Chart(_plottable(df, "grad_norm")).mark_line(point=True).encode(
         x=alt.X("layer_index:Q", title="depth (layer index, input → output)"),
         y=alt.Y("grad_norm:Q", scale=alt.Scale(type="log"), title="gradient L2 norm"),
         color=alt.Color("run:N", scale=RUN_COLORS),

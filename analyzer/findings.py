@@ -139,6 +139,7 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                                         f"{norms.get(last_layer, 0):.2g} at {last_layer} "
                                         f"({ratio:.0e}× decay towards the input)", np.log10(max(ratio, 1))))
                     break
+        exploded = []  # (step, layer, norm, median): one finding per run, naming every layer
         for (layer,), s in g.group_by(["layer"], maintain_order=True):
             norm = s["grad_norm"].to_numpy()
             steps = s["step"].to_numpy()
@@ -146,11 +147,15 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                 history = norm[:i][np.isfinite(norm[:i])]
                 if len(history) >= 5 and np.isfinite(norm[i]) and norm[i] > r.exploding \
                         and norm[i] > r.exploding_growth * np.median(history):
-                    out.append(_finding("critical", "exploding_gradients", run, layer, steps[i],
-                                        f"gradient norm rose to {norm[i]:.3g} from a median of "
-                                        f"{np.median(history):.3g} before step {steps[i]}",
-                                        np.log10(norm[i] / max(np.median(history), 1e-30))))
+                    exploded.append((steps[i], layer, norm[i], np.median(history)))
                     break
+        if exploded:
+            step, layer, norm, median = min(exploded, key=lambda e: e[0])  # earliest, then nearest the input
+            others = [e[1] for e in exploded if e[1] != layer]
+            out.append(_finding("critical", "exploding_gradients", run, layer, step,
+                                f"gradient norm rose to {norm:.3g} from a median of {median:.3g} before step "
+                                f"{step}" + (f"; also in {', '.join(others)}" if others else ""),
+                                np.log10(norm / max(median, 1e-30))))
     return out
 
 
@@ -162,7 +167,7 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
         out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
                             f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
                             f"{first['nan_count']} NaN, {first['inf_count']} Inf); {g.height} readings affected",
-                            10.0))
+                            float("inf")))  # always first: nothing else in a NaN run can be trusted
     acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())

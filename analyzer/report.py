@@ -137,6 +137,11 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, map
         heat = pl.concat([heat, grads.select("run", "layer", "layer_index", "step", "grad_norm")],
                          how="diagonal_relaxed")
     specs, sections = {}, []
+    focus = next((f for f in found if f.rule.startswith(("dead", "saturation"))), found[0] if found else None)
+    focus_aligned = None
+    if focus is not None:
+        hit = a.filter((pl.col("run") == focus.run) & (pl.col("layer") == focus.layer))["aligned"]
+        focus_aligned = hit[0] if hit.len() else None
 
     def section(title: str, note: str, chart_id: str, chart) -> None:
         specs[chart_id] = _spec_json(chart)
@@ -149,7 +154,8 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, map
                 "for every layer and step. Layers run from input (top) to output.", "heatmaps",
                 charts.layer_heatmaps(heat, [("dead_fraction", "dead fraction", "reds"),
                                              ("saturation_value", "saturation (values)", "oranges"),
-                                             ("grad_norm", "gradient norm", "blues")]))
+                                             ("grad_norm", "gradient norm", "blues")],
+                                      default_run=focus.run if focus else None))
     progress("drawing trends")
     trend_src = pl.concat([acts, grads], how="diagonal_relaxed")
     if trend_src.height:
@@ -158,20 +164,21 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, map
                 charts.trend_lines(trend_src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
                                                ("saturation_value", "saturation (values)"),
                                                ("grad_norm", "gradient norm")],
-                                   "fraction of training" if x == "progress" else "step"))
+                                   "fraction of training" if x == "progress" else "step", default_layer=focus_aligned))
     if grads.height:
         last = grads.filter(pl.col("step") == pl.col("step").max().over("run"))
         section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "
                 "Exploding: above 1 and rising.", "profile", charts.gradient_profile(last))
     progress("reading histograms")
-    flagged = [(f.run, f.layer) for f in found]
+    flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found]
     layer_pairs = acts.select("run", "layer", "layer_index").unique().sort("run", "layer_index")
     pairs = list(dict.fromkeys(flagged + [tuple(r) for r in layer_pairs.select("run", "layer").rows()]))
     hist = histogram_frame(paths, pairs[:MAX_HIST_PAIRS])
     if hist.height:
         section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
                 f"own). Shown for {min(len(pairs), MAX_HIST_PAIRS)} of {len(pairs)} layers, those with findings "
-                "first.", "histogram", charts.histogram_over_time(hist))
+                "first.", "histogram", charts.histogram_over_time(
+                    hist, f"{focus.run} · {focus.layer}" if focus else None))
     progress("writing page")
     runs = []
     for source in trace_sources(paths):
