@@ -65,6 +65,26 @@ def _as_float(x, layer: str) -> np.ndarray:
     return x.astype(np.float32) if x.dtype.itemsize < 4 else x
 
 
+_BLOCK = 1 << 18  # elements per block: temporaries stay in cache and are reused, no page faults
+
+
+def _blockwise(x3: np.ndarray, op, combine, dtype=None) -> np.ndarray:
+    """Reduce op(block) over axes 0 and 2 block by block (sum for np.add, min for np.fmin),
+    writing op's full-size temporaries into one small reused buffer."""
+    axis = 0 if x3.shape[0] > 1 else 2
+    per = x3.shape[1] * (x3.shape[2] if axis == 0 else x3.shape[0])
+    step = max(1, _BLOCK // max(per, 1))
+    buf = np.empty(min(_BLOCK, x3.size) if per <= _BLOCK else per, dtype=dtype or x3.dtype)
+    out = None
+    for i in range(0, x3.shape[axis], step):
+        b = x3[i: i + step] if axis == 0 else x3[:, :, i: i + step]
+        v = op(b, buf[: b.size].reshape(b.shape))
+        part = (v.sum(axis=(0, 2), dtype=np.float64) if combine is np.add
+                else v.min(axis=(0, 2)).astype(np.float64))
+        out = part if out is None else combine(out, part)
+    return out
+
+
 def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", stream: str = "activation",
                  bounds: tuple[float, float] | None = None, param: str | None = None,
                  per_unit: bool = True, histogram: bool = True) -> Reading:
@@ -79,23 +99,42 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
             raise ReductionError(f"layer {layer!r}: unit axis {unit_axis} out of range for shape {xw.shape}")
         unit_axis %= xw.ndim
     units = 1 if unit_axis is None else xw.shape[unit_axis]
-    x2 = (xw.reshape(-1, 1) if unit_axis is None else np.moveaxis(xw, unit_axis, -1).reshape(-1, units))
+    # a (before, units, after) view: reducing over axes 0 and 2 needs no transposed copy (NCHW)
+    before = 1 if unit_axis is None else int(np.prod(xw.shape[:unit_axis]))
+    x3 = xw.reshape(before, units, -1)
+    axes = (0, 2)
 
-    finite = np.isfinite(x2)
-    all_finite = bool(finite.all())
-    nan_count = 0 if all_finite else int(np.isnan(x2).sum())
-    clean = x2 if all_finite else np.where(finite, x2, 0)
-    lo_src = x2 if all_finite else np.where(finite, x2, np.inf)
-    hi_src = x2 if all_finite else np.where(finite, x2, -np.inf)
+    def square(b, out):
+        return np.square(b, out=out)
 
-    unit_count = finite.sum(axis=0, dtype=np.int64)
-    unit_zero = (x2 == 0).sum(axis=0, dtype=np.int64)
-    unit_sum = clean.sum(axis=0, dtype=np.float64)
-    unit_sumsq = np.square(clean, dtype=np.float64).sum(axis=0)
-    unit_min = lo_src.min(axis=0).astype(np.float64)
-    unit_max = hi_src.max(axis=0).astype(np.float64)
-    dev_src = np.abs(x2.astype(np.float64) - centre(bounds)) if bounds else np.abs(x2)
-    unit_min_dev = (dev_src if all_finite else np.where(finite, dev_src, np.inf)).min(axis=0).astype(np.float64)
+    unit_sum = x3.sum(axis=axes, dtype=np.float64)
+    unit_sumsq = _blockwise(x3, square, np.add)
+    # float32 squares cannot overflow float64 sums: finite sums mean every value was finite
+    all_finite = bool(np.isfinite(unit_sumsq).all() and np.isfinite(unit_sum).all())
+    c = centre(bounds)
+    if all_finite:
+        nan_count = 0
+        unit_count = np.full(units, x3.shape[0] * x3.shape[2], dtype=np.int64)
+        unit_min = x3.min(axis=axes).astype(np.float64)
+        unit_max = x3.max(axis=axes).astype(np.float64)
+    else:
+        finite = np.isfinite(x3)
+        nan_count = int(np.isnan(x3).sum())
+        clean = np.where(finite, x3, 0)
+        unit_sum = clean.sum(axis=axes, dtype=np.float64)
+        unit_sumsq = _blockwise(clean, square, np.add)
+        unit_count = finite.sum(axis=axes, dtype=np.int64)
+        unit_min = np.where(finite, x3, np.inf).min(axis=axes).astype(np.float64)
+        unit_max = np.where(finite, x3, -np.inf).max(axis=axes).astype(np.float64)
+    unit_zero = _blockwise(x3, lambda b, out: np.equal(b, 0, out=out), np.add, np.bool_).astype(np.int64)
+    # min |h - c|: a unit entirely on one side of c needs no pass (ReLU outputs, say)
+    unit_min_dev = np.where(unit_min >= c, unit_min - c, np.where(unit_max <= c, c - unit_max, np.nan))
+    mixed = (unit_min < c) & (unit_max > c)
+    if mixed.any():
+        def dev(b, out):
+            d = np.abs(np.subtract(b, x3.dtype.type(c), out=out), out=out)
+            return d if all_finite else np.where(np.isfinite(b), d, np.inf)
+        unit_min_dev[mixed] = _blockwise(x3, dev, np.fmin)[mixed]
     empty = unit_count == 0
     for arr in (unit_min, unit_max, unit_min_dev):
         arr[empty] = np.nan
@@ -108,7 +147,7 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
         sum=float(unit_sum.sum()), sumsq=float(unit_sumsq.sum()),
         min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
         max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
-        bounds=bounds, param=param, hist=bins.histogram(x2, int(unit_zero.sum())) if histogram else None,
+        bounds=bounds, param=param, hist=bins.histogram(x3, int(unit_zero.sum())) if histogram else None,
     )
     if per_unit:
         reading = replace(

@@ -180,27 +180,33 @@ def _chunks(session, feeds: dict, chunk: int, path: Path):
         yield {k: v[start: start + chunk] for k, v in feeds.items()}
 
 
-def read_checkpoint(path: Path, probe: dict, *, layers=None, op_types=None, chunk: int = 256) -> list:
-    """One probe reading of one ONNX model: a merged Reading per chosen tensor."""
-    model = _load(path)
-    tensors = select_tensors(model, layers, op_types)
-    session = _session(model, tensors, path)
-    feeds = _feeds(session, probe, path)
-    names = [t["output"] for t in tensors]
-    merged: dict[str, object] = {}
-    for part in _chunks(session, feeds, chunk, path):
-        try:
-            outputs = session.run(names, part)
-        except Exception as exc:
-            raise OnnxError(f"{path}: ONNX Runtime failed on the probe: {exc}") from None
-        for t, value in zip(tensors, outputs):
-            value = np.asarray(value)
-            if value.dtype.kind != "f" or value.size == 0:
-                continue
-            axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
-            r = reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
-            merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
-    return list(merged.values())
+class Checkpoint:
+    """One ONNX model ready to read: its session on the graph copy and the tensors it exposes."""
+
+    def __init__(self, path: Path, *, layers=None, op_types=None):
+        self.path = Path(path)
+        model = _load(self.path)
+        self.tensors = select_tensors(model, layers, op_types)
+        self.session = _session(model, self.tensors, self.path)
+
+    def read(self, probe: dict, chunk: int = 256) -> list:
+        """One probe reading: a Reading per chosen tensor, merged over the probe's chunks."""
+        feeds = _feeds(self.session, probe, self.path)
+        names = [t["output"] for t in self.tensors]
+        merged: dict[str, object] = {}
+        for part in _chunks(self.session, feeds, chunk, self.path):
+            try:
+                outputs = self.session.run(names, part)
+            except Exception as exc:
+                raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
+            for t, value in zip(self.tensors, outputs):
+                value = np.asarray(value)
+                if value.dtype.kind != "f" or value.size == 0:
+                    continue
+                axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
+                r = reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
+                merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
+        return list(merged.values())
 
 
 def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[tuple[int, Path]]:
@@ -252,8 +258,8 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
         for i, (step, path) in enumerate(order):
             if progress:
                 _bar(i, len(order), f"step {step}: {path.name}")
-            for index, reading in enumerate(read_checkpoint(path, probe_arrays, layers=layers, op_types=op_types,
-                                                            chunk=chunk)):
+            checkpoint = Checkpoint(path, layers=layers, op_types=op_types)
+            for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
         if progress:
             _bar(len(order), len(order), "done")

@@ -1,0 +1,37 @@
+"""Every code block of the README runs, in order, as a new user would run it.
+
+The one exception is `bash scripts/test`, the test command itself, which CI runs (`.ci/run`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+BLOCKS = re.findall(r"```(bash|python)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_the_readme_has_the_two_commands_first():
+    assert [code.strip() for _, code in BLOCKS[:2]] == ["bash scripts/demo", "bash scripts/test"]
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("exec bash scripts/test")
+
+
+def test_every_readme_code_block_runs(tmp_path):
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    ran = 0
+    for lang, code in BLOCKS:
+        if code.strip() == "bash scripts/test":
+            continue
+        cwd = ROOT if code.strip() == "bash scripts/demo" else tmp_path
+        cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+        res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"README block failed:\n{code}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr}"
+        ran += 1
+    assert ran == len(BLOCKS) - 1
+    assert (ROOT / "actrace-demo" / "report.html").exists()
+    assert {p.name for p in (tmp_path / "runs").glob("*.parquet")} == {"baseline.parquet", "teamB.parquet",
+                                                                        "jax-run.parquet"}
