@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import actrace
-from actrace.adapters.onnx import OnnxError, record_onnx
+from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.compare import align
 from actrace.analyzer.metrics import metrics

@@ -1,12 +1,10 @@
 """PyTorch adapter: ground truth by construction, agreement with numpy, hooks, DDP, `record`."""
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 import warnings
 
-import ml_dtypes
 import numpy as np
 import polars as pl
 import pytest

@@ -137,3 +137,21 @@ def test_a_run_that_fails_before_recording_leaves_no_trace_but_keeps_partial_one
             w.record_activation(0, "fc", np.ones((2, 2), np.float32), kind="relu")
             raise RuntimeError("checkpoint 2 is corrupt")
     assert len(actrace.read_table(tmp_path / "partial.parquet")) == 1
+
+
+def test_scan_gives_a_lazy_polars_frame_over_files_and_parts(tmp_path):
+    import polars as pl
+
+    _write(tmp_path / "a.parquet")
+    w = actrace.Writer(tmp_path / "b.parquet", flush_every=1)
+    w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+    lf = actrace.scan([tmp_path / "a.parquet", tmp_path / "b.parquet.parts"], columns=["run", "layer", "step"])
+    assert isinstance(lf, pl.LazyFrame)
+    assert lf.collect().shape == (7, 3)
+    w.close()
+
+
+def test_the_core_imports_without_any_framework_or_the_analyzer():
+    code = ("import sys, actrace; bad = [m for m in ('torch', 'onnxruntime', 'onnx', 'polars', 'altair') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
