@@ -107,8 +107,9 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
     def square(b, out):
         return np.square(b, out=out)
 
-    unit_sum = x3.sum(axis=axes, dtype=np.float64)
-    unit_sumsq = _blockwise(x3, square, np.add)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a sum only says: not finite
+        unit_sum = x3.sum(axis=axes, dtype=np.float64)
+        unit_sumsq = _blockwise(x3, square, np.add)
     # float32 squares cannot overflow float64 sums: finite sums mean every value was finite
     all_finite = bool(np.isfinite(unit_sumsq).all() and np.isfinite(unit_sum).all())
     c = centre(bounds)

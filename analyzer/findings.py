@@ -187,3 +187,28 @@ def findings(m: pl.DataFrame, rules: Rules = Rules()) -> list[Finding]:
     """All findings over a metrics frame, most urgent first."""
     found = _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], -f.score, f.run, f.layer))
+
+
+@dataclass
+class FindingGroup:
+    """The findings of one rule in one run: the most urgent one first, the other layers named."""
+
+    first: Finding
+    others: list[Finding]
+
+    @property
+    def layers(self) -> list[str]:
+        return [self.first.layer] + [f.layer for f in self.others]
+
+
+def group(found: list[Finding]) -> list[FindingGroup]:
+    """One group per (rule, run), in the order of each group's most urgent finding, so a pathology
+    that hits 30 layers reads as one line, not 30."""
+    groups: dict[tuple[str, str], FindingGroup] = {}
+    for f in found:
+        key = (f.rule, f.run)
+        if key in groups:
+            groups[key].others.append(f)
+        else:
+            groups[key] = FindingGroup(f, [])
+    return list(groups.values())

@@ -18,7 +18,7 @@ from actrace.reader import read_source, trace_sources
 
 from . import charts
 from .compare import align
-from .findings import Finding
+from .findings import Finding, group
 
 MAX_STEPS = 60           # heatmap columns per run
 MAX_HIST_PAIRS = 40      # (run, layer) histograms embedded: layers with findings first
@@ -110,14 +110,22 @@ for (const [id, spec] of Object.entries(specs)) {{
 
 
 def _findings_html(found: list[Finding]) -> str:
+    """One row per rule and run (its most urgent finding), the other layers behind a disclosure."""
     if not found:
         return "<p>No findings: every rule stayed silent.</p>"
-    rows = "".join(
-        f'<tr class="{f.severity}">' + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            f.severity, f.rule, f.run, f.layer, f.step, f.evidence, f.advice)) + "</tr>" for f in found)
+    rows = []
+    for g in group(found):
+        f = g.first
+        layer = html.escape(f.layer)
+        if g.others:
+            more = ", ".join(html.escape(f"{o.layer} (step {o.step})") for o in g.others)
+            layer += f"<details><summary>+{len(g.others)} more layers</summary>{more}</details>"
+        cells = [html.escape(str(v)) for v in (f.severity, f.rule, f.run)] + [layer] + \
+                [html.escape(str(v)) for v in (f.step, f.evidence, f.advice)]
+        rows.append(f'<tr class="{f.severity}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{c}</th>" for c in ("severity", "rule", "run", "layer", "since step", "evidence",
                                              "what people usually do"))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, mapping=None, x: str = "step",

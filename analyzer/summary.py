@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from .findings import Finding
+from .findings import Finding, group
 from .metrics import METRIC_COLUMNS
 
 
@@ -14,11 +14,17 @@ def _fmt(v, pct: bool = False) -> str:
 
 
 def format_findings(found: list[Finding]) -> str:
+    """Findings grouped by rule and run, most urgent first; every affected layer is named."""
     if not found:
         return "findings: none (every rule stayed silent)"
-    lines = [f"findings: {len(found)}"]
-    for f in found:
+    groups = group(found)
+    lines = [f"findings: {len(found)} in {len(groups)} group(s) of rule and run"]
+    for g in groups:
+        f = g.first
         lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {f.run} / {f.layer} since step {f.step}: {f.evidence}")
+        if g.others:
+            names = ", ".join(o.layer for o in g.others[:12]) + (", …" if len(g.others) > 12 else "")
+            lines.append(f"  {'':<8} {'':<20} also {len(g.others)} more layer(s): {names}")
         lines.append(f"  {'':<8} {'':<20} → {f.advice}")
     return "\n".join(lines)
 
