@@ -6,6 +6,7 @@ read, so many runs fit in bounded memory.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,27 +149,34 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                    ).drop("_has_update")
 
 
+_BOUNDED_ONLY = ("unit_min_dev", "hist")  # needed only where a layer has saturation bounds
+
+
+def _reduce_source(source, th: Thresholds) -> pl.DataFrame:
+    """One trace's scalar columns plus its dead and pinned unit counts and histogram."""
+    table, _ = read_source(source, [c for c in _READ if c not in _BOUNDED_ONLY])
+    if table["bound_lo"].null_count < len(table):
+        extra, _ = read_source(source, list(_BOUNDED_ONLY))
+        table = table.append_column("unit_min_dev", extra["unit_min_dev"]).append_column("hist", extra["hist"])
+    else:
+        table = table.append_column("unit_min_dev", pa.nulls(len(table), pa.list_(pa.float32()))) \
+                     .append_column("hist", pa.nulls(len(table), pa.list_(pa.int64())))
+    counts = unit_counts(table, th)
+    table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
+    return pl.from_arrow(table).with_columns(
+        pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
+        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True))
+
+
 def readings(paths, th: Thresholds) -> pl.LazyFrame:
-    """Every reading's scalar columns plus its dead and pinned unit counts and histogram, one
-    trace at a time, so memory holds one trace's per-unit lists at most."""
-    frames = []
-    bounded_only = ("unit_min_dev", "hist")  # needed only where a layer has saturation bounds
-    for source in trace_sources(paths):
-        table, _ = read_source(source, [c for c in _READ if c not in bounded_only])
-        if table["bound_lo"].null_count < len(table):
-            extra, _ = read_source(source, list(bounded_only))
-            table = table.append_column("unit_min_dev", extra["unit_min_dev"]).append_column("hist", extra["hist"])
-        else:
-            table = table.append_column("unit_min_dev", pa.nulls(len(table), pa.list_(pa.float32()))) \
-                         .append_column("hist", pa.nulls(len(table), pa.list_(pa.int64())))
-        counts = unit_counts(table, th)
-        table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
-        frames.append(pl.from_arrow(table).with_columns(
-            pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
-            pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True)).lazy())
-    if not frames:
+    """Every trace reduced to scalar rows, two at a time (reading one while reducing the other),
+    so memory holds at most two traces' per-unit lists."""
+    sources = trace_sources(paths)
+    if not sources:
         raise TraceError(f"no traces found in {paths}")
-    return pl.concat(frames, how="diagonal_relaxed")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        frames = list(pool.map(lambda s: _reduce_source(s, th), sources))
+    return pl.concat([f.lazy() for f in frames], how="diagonal_relaxed")
 
 
 def metrics(paths, th: Thresholds = Thresholds(), *, lazy: bool = False):
