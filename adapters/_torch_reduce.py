@@ -1,10 +1,13 @@
 """On-device reductions of torch tensors: the spec's per-unit statistics in few passes, no syncs.
 
-Results stay on the tensor's device until `to_readings` moves every pending reading's numbers
-to the host in one transfer. Values agree with `actrace.reduce.reduce_array` (the tests check).
+`reduce_tensor` queues the work on the tensor's device; `settle` finishes a batch of readings
+once the forward pass is over (CPU histograms on two threads, one host sync to find the rare
+reading with a NaN or Inf, which is then counted exactly); `to_readings` moves the numbers to the
+host in one transfer. Values agree with `actrace.reduce.reduce_array` (the tests check).
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +18,7 @@ from actrace.reduce import Reading, ReductionError, centre, reduce_array
 from actrace.schema import bounds_for
 
 _EDGES_F32 = torch.tensor(np.array(bins._first_f32, dtype=np.float32))
-_SUM_FIELDS = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist", "shape0")
+_SUM_FIELDS = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist", "shape0", "nan", "inf")
 _MIN_FIELDS = ("unit_min", "unit_min_dev")
 _MAX_FIELDS = ("unit_max",)
 
@@ -35,10 +38,11 @@ class Pending:
     param: str | None = None
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
-    source: torch.Tensor | None = None  # kept on the CPU path for the rare non-finite re-count
+    source: torch.Tensor | None = None        # until `settle`: for the rare exact non-finite re-count
+    hist_source: torch.Tensor | None = None   # until `settle`: a CPU tensor whose histogram is due
 
     def merge(self, other: "Pending") -> None:
-        """Fold the statistics of another chunk of the same tensor into this one."""
+        """Fold the statistics of another (settled) chunk of the same tensor into this one."""
         for k, v in other.stats.items():
             if k in _MIN_FIELDS:
                 self.stats[k] = torch.fmin(self.stats[k], v)
@@ -46,7 +50,6 @@ class Pending:
                 self.stats[k] = torch.fmax(self.stats[k], v)
             else:
                 self.stats[k] = self.stats[k] + v
-        self.source = None if self.source is None or other.source is None else torch.cat([self.source, other.source])
 
 
 _scratch: dict[tuple, torch.Tensor] = {}
@@ -60,12 +63,6 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if buf is None or buf.numel() < x.numel():
         buf = _scratch[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return buf[: x.numel()].view(x.shape)
-
-
-def _histogram(x: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":  # numpy's key-range fast path, zero-copy
-        return torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(zeros)))
-    return bucketize_histogram(x)
 
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
@@ -97,15 +94,16 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     else:
         axis = unit_axis % x.ndim
     dims = [d for d in range(x.ndim) if d != axis]
-    shape0 = torch.tensor(shape[0] if shape else 1)
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
+    common = {"shape0": torch.tensor(shape[0] if shape else 1, device=x.device), "nan": zero, "inf": zero}
+    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, source=x)
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
         flat = x.reshape(-1)
         lo, hi = torch.aminmax(flat)
-        s = {"unit_sum": flat.sum(), "unit_sumsq": torch.dot(flat, flat), "unit_min": lo, "unit_max": hi,
-             "unit_zero": flat.numel() - torch.count_nonzero(flat), "shape0": shape0,
-             "unit_count": torch.tensor(flat.numel())}
-        return Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, s,
-                       source=t.detach() if t.device.type == "cpu" else None)
+        pending.stats = {"unit_sum": flat.sum(), "unit_sumsq": torch.dot(flat, flat), "unit_min": lo,
+                         "unit_max": hi, "unit_zero": flat.numel() - torch.count_nonzero(flat),
+                         "unit_count": torch.tensor(flat.numel(), device=x.device), **common}
+        return pending
     # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
     work = scratch_like(x, x.dtype)
     s = {
@@ -114,7 +112,7 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         "unit_min": x.amin(dims),
         "unit_max": x.amax(dims),
         "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims),
-        "shape0": shape0,
+        **common,
     }
     s["unit_count"] = torch.full_like(s["unit_zero"], x.numel() // s["unit_sum"].numel())
     c = centre(bounds)
@@ -123,16 +121,68 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     else:
         dev = torch.sub(x, c, out=work) if c else x
         s["unit_min_dev"] = torch.abs(dev, out=work).amin(dims)
-    if histogram:
-        s["hist"] = _histogram(x, s["unit_zero"].sum())
-    return Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, s,
-                   source=t.detach() if t.device.type == "cpu" else None)
+    pending.stats = s
+    if histogram and x.device.type == "cpu":
+        pending.hist_source = x  # counted in `settle`, two tensors at a time, after the forward
+    elif histogram:
+        s["hist"] = bucketize_histogram(x)
+    return pending
+
+
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
+
+
+def _cpu_histogram(p: Pending) -> torch.Tensor:
+    zeros = int(p.stats["unit_zero"].sum())
+    return torch.from_numpy(bins.histogram(p.hist_source.contiguous().numpy(), zeros))
+
+
+def _exact(p: Pending) -> dict:
+    """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them)."""
+    r = reduce_array(p.source.float().cpu().numpy(), p.unit_axis, p.kind, layer=p.layer, stream=p.stream,
+                     bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in p.stats
+                     or p.hist_source is not None)
+    dev = p.stats["unit_sum"].device
+    whole = not p.per_unit
+    stats = {
+        "unit_sum": [r.sum] if whole else r.unit_sum, "unit_sumsq": [r.sumsq] if whole else r.unit_sumsq,
+        "unit_min": [r.min] if whole else r.unit_min, "unit_max": [r.max] if whole else r.unit_max,
+        "unit_zero": [r.zero_count] if whole else r.unit_zero,
+        "unit_count": [r.count - r.nan_count - r.inf_count] if whole else r.unit_count,
+        "shape0": [r.shape[0] if r.shape else 1], "nan": [r.nan_count], "inf": [r.inf_count],
+    }
+    if not whole:
+        stats["unit_min_dev"] = r.unit_min_dev
+    if r.hist is not None:
+        stats["hist"] = r.hist
+    out = {k: torch.as_tensor(np.asarray(v), device=dev).reshape(p.stats[k].shape if k in p.stats else -1)
+           for k, v in stats.items()}
+    out.update({k: v for k, v in p.stats.items() if k == "update_norm"})
+    return out
+
+
+def settle(pending: list[Pending]) -> None:
+    """Finish readings whose tensors are about to be freed: histograms of CPU tensors on two
+    threads, then one host sync for the whole batch to find readings with a NaN or Inf (a
+    non-finite sum of squares), which are re-counted exactly. Drops the tensor references."""
+    due = [p for p in pending if p.hist_source is not None]
+    for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
+        p.stats["hist"] = hist
+    live = [p for p in pending if p.source is not None]
+    if live:
+        finite = torch.stack([torch.isfinite(p.stats["unit_sumsq"]).all() for p in live]).cpu()
+        for p, ok in zip(live, finite.tolist()):
+            if not ok:
+                p.stats = _exact(p)
+    for p in pending:
+        p.source = p.hist_source = None
 
 
 def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
+    settle(pending)
     flat = [v.reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
     host = torch.cat(flat).cpu().numpy()
     out, pos = [], 0
@@ -146,23 +196,21 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
 
 
 def _finish(p: Pending, v: dict) -> Reading:
-    if not np.isfinite(v["unit_sumsq"]).all():  # a NaN or Inf somewhere: the exact masked path
-        if p.source is None:
-            raise RuntimeError("non-finite values on an accelerator need the source tensor")  # pragma: no cover
-        return reduce_array(p.source.float().cpu().numpy(), p.unit_axis, p.kind, layer=p.layer, stream=p.stream,
-                            bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in v)
     shape = (int(v["shape0"][0]),) + tuple(p.shape[1:])
     count = int(np.prod(shape)) if shape else 1
     units = 1 if p.unit_axis is None else p.shape[p.unit_axis]
+    nan, inf = int(v["nan"][0]), int(v["inf"][0])
+    finite = np.isfinite(v["unit_min"])
     r = Reading(layer=p.layer, kind=p.kind, stream=p.stream, dtype=p.dtype, shape=shape,
                 unit_axis=None if p.unit_axis is None else p.unit_axis % len(p.shape), units=units,
-                count=count, nan_count=0, inf_count=0, zero_count=int(v["unit_zero"].sum()),
+                count=count, nan_count=nan, inf_count=inf, zero_count=int(v["unit_zero"].sum()),
                 sum=float(v["unit_sum"].sum()), sumsq=float(v["unit_sumsq"].sum()),
-                min=float(v["unit_min"].min()), max=float(v["unit_max"].max()), bounds=p.bounds, param=p.param,
-                hist=v["hist"].astype(np.int64) if "hist" in v else None,
+                min=float(v["unit_min"][finite].min()) if finite.any() else float("nan"),
+                max=float(v["unit_max"][finite].max()) if finite.any() else float("nan"),
+                bounds=p.bounds, param=p.param, hist=v["hist"].astype(np.int64) if "hist" in v else None,
                 update_norm=float(v["update_norm"][0]) if "update_norm" in v else None)
     if p.per_unit:
-        r.unit_count = np.full(units, count // units, dtype=np.int64)
+        r.unit_count = v["unit_count"].astype(np.int64)
         r.unit_zero = v["unit_zero"].astype(np.int64)
         r.unit_sum, r.unit_sumsq = v["unit_sum"], v["unit_sumsq"]
         r.unit_min, r.unit_max = v["unit_min"].astype(np.float32), v["unit_max"].astype(np.float32)

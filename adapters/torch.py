@@ -22,7 +22,7 @@ from torch import nn
 import actrace
 from actrace.fingerprint import fingerprint
 
-from ._torch_reduce import Pending, all_reduce, reduce_tensor, to_readings
+from ._torch_reduce import Pending, all_reduce, reduce_tensor, settle, to_readings
 
 ACTIVATION_KINDS: list[tuple[type, str]] = [
     (nn.ReLU6, "relu6"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.PReLU, "prelu"),
@@ -42,6 +42,7 @@ CHANNELS_FIRST = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTr
                   nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.pooling._MaxPoolNd,
                   nn.modules.pooling._AvgPoolNd)
 FUNCTIONAL = {"relu": "relu", "gelu": "gelu"}
+HELD_BYTES = 256 * 2**20  # activations a probe reading may hold until the forward ends
 
 
 def layer_kind(module: nn.Module) -> str | None:
@@ -126,6 +127,7 @@ class Monitor:
         self._pending: list[Pending] = []
         self._calls: dict[str, int] = {}
         self._reading = False
+        self._held = 0
         self._channels_first = False
         self._grad_pending: list[Pending] = []
         self._previous: dict[str, torch.Tensor] = {}
@@ -189,6 +191,10 @@ class Monitor:
             if self._reading:
                 self._pending.append(reduce_tensor(t, axis, kind, layer=layer, bounds=_bounds(module, kind),
                                                    histogram=self.histogram))
+                self._held += t.numel() * t.element_size()
+                if self._held > HELD_BYTES:  # settling frees the activations it holds for the histograms
+                    settle(self._pending)
+                    self._held = 0
             elif self.activation_grads and t.requires_grad and self._steps_seen % self.grad_every == 0:
                 t.register_hook(self._grad_hook(layer, kind, axis, _bounds(module, kind)))
 
@@ -247,8 +253,9 @@ class Monitor:
         try:
             with torch.no_grad():
                 for chunk in self._chunks():
-                    self._reading, self._calls, self._pending = True, {}, []
+                    self._reading, self._calls, self._pending, self._held = True, {}, [], 0
                     self._call(chunk)
+                    settle(self._pending)  # before this chunk's activations are freed
                     for p in self._pending:
                         if p.layer in merged:
                             merged[p.layer].merge(p)
