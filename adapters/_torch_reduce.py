@@ -7,6 +7,7 @@ host in one transfer. Values agree with `actrace.reduce.reduce_array` (the tests
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -52,16 +53,17 @@ class Pending:
                 self.stats[k] = self.stats[k] + v
 
 
-_scratch: dict[tuple, torch.Tensor] = {}
+_local = threading.local()
 
 
 def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer shaped like `x`: a fresh full-size temporary per reading costs page faults
-    that can exceed the reduction itself (measured on CPU: 3-4x)."""
+    """A reused buffer (one per thread) shaped like `x`: a fresh full-size temporary per reading
+    costs page faults that can exceed the reduction itself (measured on CPU: 3-4x)."""
+    scratch = _local.__dict__.setdefault("buffers", {})
     key = (x.device, dtype)
-    buf = _scratch.get(key)
+    buf = scratch.get(key)
     if buf is None or buf.numel() < x.numel():
-        buf = _scratch[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
+        buf = scratch[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return buf[: x.numel()].view(x.shape)
 
 
@@ -133,8 +135,9 @@ _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
 
 
 def _cpu_histogram(p: Pending) -> torch.Tensor:
-    zeros = int(p.stats["unit_zero"].sum())
-    return torch.from_numpy(bins.histogram(p.hist_source.contiguous().numpy(), zeros))
+    """The core's numpy histogram: it runs without the GIL, so two of them share the cores after
+    the forward (torch kernels in these threads would start OpenMP teams that spin beside torch's)."""
+    return torch.from_numpy(bins.histogram(p.hist_source.contiguous().numpy(), int(p.stats["unit_zero"].sum())))
 
 
 def _exact(p: Pending) -> dict:
