@@ -11,6 +11,7 @@ import fnmatch
 import glob
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,15 @@ def _chunks(session, feeds: dict, chunk: int, path: Path):
         yield {k: v[start: start + chunk] for k, v in feeds.items()}
 
 
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-onnx")
+
+
+def _reduce(job):
+    t, value = job
+    axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
+    return reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
+
+
 class Checkpoint:
     """One ONNX model ready to read: its session on the graph copy and the tensors it exposes."""
 
@@ -199,12 +209,9 @@ class Checkpoint:
                 outputs = self.session.run(names, part)
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
-            for t, value in zip(self.tensors, outputs):
-                value = np.asarray(value)
-                if value.dtype.kind != "f" or value.size == 0:
-                    continue
-                axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
-                r = reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
+            jobs = [(t, np.asarray(v)) for t, v in zip(self.tensors, outputs)]
+            jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
+            for (t, _), r in zip(jobs, _pool.map(_reduce, jobs)):  # numpy releases the GIL: two cores
                 merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
         return list(merged.values())
 
