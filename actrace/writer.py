@@ -141,16 +141,16 @@ class Writer:
                                   param=param, **kw)
 
     def record_param(self, step: int, layer: str, param: str, w, *, kind: str = "other",
-                     unit_axis: int | None = 0, **kw):
+                     unit_axis: int | None = 0, per_unit: bool = True, histogram: bool = True, **context):
         """A parameter tensor; the writer keeps its last value to record the update norm ‖Δw‖."""
         w = np.asarray(w)
-        unit_axis = unit_axis if w.ndim else None
-        reading = reduce_array(w, unit_axis, kind, layer=layer, stream="param", param=param, **kw)
+        reading = reduce_array(w, unit_axis if w.ndim else None, kind, layer=layer, stream="param",
+                               param=param, per_unit=per_unit, histogram=histogram)
         previous = self._previous_params.get((layer, param))
         if previous is not None and previous.shape == w.shape:
             reading.update_norm = float(np.linalg.norm((w.astype(np.float64) - previous).ravel()))
         self._previous_params[(layer, param)] = w.astype(np.float64, copy=True)
-        self.record(step, reading)
+        self.record(step, reading, **context)
         return reading
 
     def flush(self) -> None:

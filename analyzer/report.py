@@ -168,7 +168,8 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, map
     trend_src = pl.concat([acts, grads], how="diagonal_relaxed")
     if trend_src.height:
         section("Trends", "Per layer (menu, aligned across runs): runs overlaid; click a run in the legend "
-                "to highlight it.", "trends",
+                "to highlight it. Saturation exists for bounded kinds only (tanh, sigmoid, …), gradient norms for "
+                "layers with parameters only.", "trends",
                 charts.trend_lines(trend_src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
                                                ("saturation_value", "saturation (values)"),
                                                ("grad_norm", "gradient norm")],
