@@ -39,13 +39,17 @@ def histogram_exact(values: np.ndarray) -> np.ndarray:
     """The definition: each value placed by comparison with the edges (any float dtype)."""
     v = np.asarray(values).ravel()
     v = v[~np.isnan(v)] if v.dtype.kind == "f" and np.isnan(v).any() else v
+    return np.bincount(bin_index(v), minlength=N_BINS).astype(np.int64)
+
+
+def bin_index(v: np.ndarray) -> np.ndarray:
+    """Each (non-NaN) value's bin, by comparison of its exact value with the edges."""
     mag = np.abs(v)
     # |v| in [E_j, E_j+1) -> magnitude bin j+1; below E_0 -> 0; zero is handled apart.
     mag_bin = np.searchsorted(MAGNITUDE_EDGES, mag, side="right")
     idx = np.where(v > 0, ZERO_BIN + 1 + mag_bin, ZERO_BIN - 1 - mag_bin)
     idx = np.where(v == 0, ZERO_BIN, idx)
-    idx = np.where(np.isinf(v), np.where(v > 0, POS_INF_BIN, NEG_INF_BIN), idx)
-    return np.bincount(idx, minlength=N_BINS).astype(np.int64)
+    return np.where(np.isinf(v), np.where(v > 0, POS_INF_BIN, NEG_INF_BIN), idx)
 
 
 # float32 fast path: a float32's bit pattern >> _SHIFT is monotonic in magnitude within each sign,

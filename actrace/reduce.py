@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import bins
+from . import bins, kernel
 from .schema import STREAMS, bounds_for
 
 
@@ -102,6 +102,37 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
     # a (before, units, after) view: reducing over axes 0 and 2 needs no transposed copy (NCHW)
     before = 1 if unit_axis is None else int(np.prod(xw.shape[:unit_axis]))
     x3 = xw.reshape(before, units, -1)
+
+    c = centre(bounds)
+    if kernel.available and x3.dtype == np.float32:
+        st = kernel.reduce_f32(np.ascontiguousarray(x3), c, histogram)
+    else:
+        st = _numpy_stats(x3, c, histogram)
+    unit_count, unit_zero = st["finite"], st["zero"]
+    unit_min, unit_max, unit_min_dev = (st[k].astype(np.float64) for k in ("min", "max", "min_dev"))
+    empty = unit_count == 0
+    for arr in (unit_min, unit_max, unit_min_dev):
+        arr[empty] = np.nan
+    any_finite = not empty.all()
+    reading = Reading(
+        layer=layer, kind=kind, stream=stream, dtype=dtype, shape=tuple(int(s) for s in xw.shape),
+        unit_axis=unit_axis, units=int(units), count=int(xw.size), nan_count=int(st["nan_inf"][0]),
+        inf_count=int(st["nan_inf"][1]), zero_count=int(unit_zero.sum()),
+        sum=float(st["sum"].sum()), sumsq=float(st["sumsq"].sum()),
+        min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
+        max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
+        bounds=bounds, param=param, hist=st["hist"],
+    )
+    if per_unit:
+        reading = replace(
+            reading, unit_count=unit_count, unit_zero=unit_zero, unit_sum=st["sum"],
+            unit_sumsq=st["sumsq"], unit_min=unit_min.astype(np.float32),
+            unit_max=unit_max.astype(np.float32), unit_min_dev=unit_min_dev.astype(np.float32))
+    return reading
+
+
+def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
+    """The statistics of `kernel.reduce_f32` with numpy alone (any float dtype)."""
     axes = (0, 2)
 
     def square(b, out):
@@ -112,10 +143,9 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
         unit_sumsq = _blockwise(x3, square, np.add)
     # float32 squares cannot overflow float64 sums: finite sums mean every value was finite
     all_finite = bool(np.isfinite(unit_sumsq).all() and np.isfinite(unit_sum).all())
-    c = centre(bounds)
     if all_finite:
         nan_count = 0
-        unit_count = np.full(units, x3.shape[0] * x3.shape[2], dtype=np.int64)
+        unit_count = np.full(x3.shape[1], x3.shape[0] * x3.shape[2], dtype=np.int64)
         unit_min = x3.min(axis=axes).astype(np.float64)
         unit_max = x3.max(axis=axes).astype(np.float64)
     else:
@@ -129,33 +159,18 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
         unit_max = np.where(finite, x3, -np.inf).max(axis=axes).astype(np.float64)
     unit_zero = _blockwise(x3, lambda b, out: np.equal(b, 0, out=out), np.add, np.bool_).astype(np.int64)
     # min |h - c|: a unit entirely on one side of c needs no pass (ReLU outputs, say)
-    unit_min_dev = np.where(unit_min >= c, unit_min - c, np.where(unit_max <= c, c - unit_max, np.nan))
+    with np.errstate(invalid="ignore"):
+        unit_min_dev = np.where(unit_min >= c, unit_min - c, np.where(unit_max <= c, c - unit_max, np.nan))
     mixed = (unit_min < c) & (unit_max > c)
     if mixed.any():
         def dev(b, out):
             d = np.abs(np.subtract(b, x3.dtype.type(c), out=out), out=out)
             return d if all_finite else np.where(np.isfinite(b), d, np.inf)
         unit_min_dev[mixed] = _blockwise(x3, dev, np.fmin)[mixed]
-    empty = unit_count == 0
-    for arr in (unit_min, unit_max, unit_min_dev):
-        arr[empty] = np.nan
-
-    any_finite = not empty.all()
-    reading = Reading(
-        layer=layer, kind=kind, stream=stream, dtype=dtype, shape=tuple(int(s) for s in xw.shape),
-        unit_axis=unit_axis, units=int(units), count=int(xw.size), nan_count=nan_count,
-        inf_count=int(xw.size - unit_count.sum() - nan_count), zero_count=int(unit_zero.sum()),
-        sum=float(unit_sum.sum()), sumsq=float(unit_sumsq.sum()),
-        min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
-        max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
-        bounds=bounds, param=param, hist=bins.histogram(x3, int(unit_zero.sum())) if histogram else None,
-    )
-    if per_unit:
-        reading = replace(
-            reading, unit_count=unit_count, unit_zero=unit_zero, unit_sum=unit_sum,
-            unit_sumsq=unit_sumsq, unit_min=unit_min.astype(np.float32),
-            unit_max=unit_max.astype(np.float32), unit_min_dev=unit_min_dev.astype(np.float32))
-    return reading
+    zeros = int(unit_zero.sum())
+    return {"sum": unit_sum, "sumsq": unit_sumsq, "min": unit_min, "max": unit_max, "min_dev": unit_min_dev,
+            "zero": unit_zero, "finite": unit_count, "hist": bins.histogram(x3, zeros) if histogram else None,
+            "nan_inf": [nan_count, x3.size - int(unit_count.sum()) - nan_count]}
 
 
 _ADD = ("count", "nan_count", "inf_count", "zero_count", "sum", "sumsq")

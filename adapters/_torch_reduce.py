@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actrace import bins
+from actrace import bins, kernel
 from actrace.reduce import Reading, ReductionError, centre, reduce_array
 from actrace.schema import bounds_for
 
@@ -41,6 +41,7 @@ class Pending:
     stats: dict = field(default_factory=dict)
     source: torch.Tensor | None = None        # until `settle`: for the rare exact non-finite re-count
     hist_source: torch.Tensor | None = None   # until `settle`: a CPU tensor whose histogram is due
+    fused: tuple | None = None                # until `settle`: a CPU float32 tensor for the fused kernel
 
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
@@ -106,6 +107,14 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
                          "unit_max": hi, "unit_zero": flat.numel() - torch.count_nonzero(flat),
                          "unit_count": torch.tensor(flat.numel(), device=x.device), **common}
         return pending
+    c = centre(bounds)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
+        # one fused pass per tensor in `settle`, two tensors at a time, after the forward
+        before = 1 if unit_axis is None else int(np.prod(shape[:axis]))
+        pending.fused = (x.contiguous(), before, c, histogram)
+        pending.source = None
+        pending.stats = common
+        return pending
     # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
     work = scratch_like(x, x.dtype)
     s = {
@@ -117,7 +126,6 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         **common,
     }
     s["unit_count"] = torch.full_like(s["unit_zero"], x.numel() // s["unit_sum"].numel())
-    c = centre(bounds)
     if kind == "relu" and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
         s["unit_min_dev"] = s["unit_min"]
     else:
@@ -132,6 +140,22 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
 
 
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
+
+
+def _fused(p: Pending) -> dict:
+    """The fused kernel's statistics of a CPU float32 tensor, as the stats of a pending reading."""
+    x, before, c, histogram = p.fused
+    st = kernel.reduce_f32(x.numpy().reshape(before, _units(p), -1), c, histogram)
+    out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
+           "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
+           "nan": st["nan_inf"][0], "inf": st["nan_inf"][1]}
+    if histogram:
+        out["hist"] = st["hist"]
+    return {k: torch.as_tensor(v) for k, v in out.items()}
+
+
+def _units(p: Pending) -> int:
+    return 1 if p.unit_axis is None else p.shape[p.unit_axis % len(p.shape)]
 
 
 def _cpu_histogram(p: Pending) -> torch.Tensor:
@@ -168,6 +192,10 @@ def settle(pending: list[Pending]) -> None:
     """Finish readings whose tensors are about to be freed: histograms of CPU tensors on two
     threads, then one host sync for the whole batch to find readings with a NaN or Inf (a
     non-finite sum of squares), which are re-counted exactly. Drops the tensor references."""
+    fused = [p for p in pending if p.fused is not None]
+    for p, stats in zip(fused, _pool.map(_fused, fused)):
+        p.stats.update(stats)
+        p.fused = None
     due = [p for p in pending if p.hist_source is not None]
     for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
         p.stats["hist"] = hist

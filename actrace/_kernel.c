@@ -1,0 +1,147 @@
+/* One fused pass over a float32 tensor: every per-unit reduction of spec/trace-v1.md §Columns and
+ * the fixed histogram, with no temporaries. Called through ctypes (which releases the GIL, so two
+ * tensors reduce at once on two cores); actrace/fastreduce.py owns the tables and the fallback.
+ * The tensor is viewed as (before, units, after): the unit axis in the middle, contiguous. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 64      /* rows summed in float before the running sums take them in double */
+#define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
+
+typedef struct {
+    const int16_t *key_bin;   /* per key (float bits >> shift): its bin, -1 if the key straddles an edge */
+    int shift;
+    const double *edges;      /* the spec's magnitude edges, ascending */
+    int n_edges;
+    int zero_bin, n_bins;
+} Bins;
+
+static int exact_bin(const Bins *b, float v) {
+    if (isnan(v)) return -1;
+    if (v == 0.0f) return b->zero_bin;
+    if (isinf(v)) return v > 0 ? b->n_bins - 1 : 0;
+    double m = fabs((double)v);
+    int lo = 0, hi = b->n_edges; /* number of edges <= m (searchsorted side=right) */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (b->edges[mid] <= m) lo = mid + 1; else hi = mid;
+    }
+    return v > 0 ? b->zero_bin + 1 + lo : b->zero_bin - 1 - lo;
+}
+
+/* Exponent bits not all ones: a test without a branch or a library call, so loops vectorize. */
+static inline int is_finite(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+/* Histogram of n contiguous values; returns how many were NaN. */
+static int64_t count_bins(const Bins *b, int64_t *hist, const float *p, int64_t n) {
+    int64_t nan = 0;
+    for (int64_t a = 0; a < n; a++) {
+        float v = p[a];
+        if (v == 0.0f) { hist[b->zero_bin]++; continue; }
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        int bin = b->key_bin[bits >> b->shift];
+        if (bin < 0) bin = exact_bin(b, v);
+        if (bin >= 0) hist[bin]++; else nan++;
+    }
+    return nan;
+}
+
+/* Outputs are per unit, initialized by the caller: sums 0, min +inf, max -inf, mindev +inf.
+ * Non-finite values are kept out of every statistic (branch-free, so the loops vectorize);
+ * nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count. */
+int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t after, float centre,
+                       const int16_t *key_bin, int shift, const double *edges, int n_edges, int zero_bin,
+                       int n_bins, double *restrict sum, double *restrict sumsq, float *restrict mn,
+                       float *restrict mx, float *restrict mindev, int64_t *restrict zero,
+                       int64_t *restrict finite, int64_t *restrict hist, int64_t *restrict nan_inf) {
+    Bins b = {key_bin, shift, edges, n_edges, zero_bin, n_bins};
+    int64_t nan = 0;
+    if (after == 1) { /* dense [rows, units]: blocks of rows, float partials in L1, then double */
+        float *ps = malloc(units * sizeof(float)), *pss = malloc(units * sizeof(float));
+        int32_t *pz = malloc(units * sizeof(int32_t)), *pf = malloc(units * sizeof(int32_t));
+        if (!ps || !pss || !pz || !pf) { free(ps); free(pss); free(pz); free(pf); return -1; }
+        for (int64_t i0 = 0; i0 < before; i0 += ROWS) {
+            int64_t i1 = i0 + ROWS < before ? i0 + ROWS : before;
+            memset(ps, 0, units * sizeof(float)); memset(pss, 0, units * sizeof(float));
+            memset(pz, 0, units * sizeof(int32_t)); memset(pf, 0, units * sizeof(int32_t));
+            int big = 0;
+            for (int64_t i = i0; i < i1; i++) {
+                const float *row = x + i * units;
+                for (int64_t u = 0; u < units; u++) {
+                    float v = row[u];
+                    int f = is_finite(v);
+                    float vf = f ? v : 0.0f;
+                    float d = fabsf(v - centre);
+                    ps[u] += vf;
+                    pss[u] += vf * vf;
+                    big |= fabsf(vf) > BIG;
+                    mn[u] = (f & (v < mn[u])) ? v : mn[u];
+                    mx[u] = (f & (v > mx[u])) ? v : mx[u];
+                    mindev[u] = (f & (d < mindev[u])) ? d : mindev[u];
+                    pz[u] += v == 0.0f;
+                    pf[u] += f;
+                }
+                if (hist) nan += count_bins(&b, hist, row, units);
+            }
+            if (big) { /* float squares could overflow: this block's sums again, in double */
+                for (int64_t i = i0; i < i1; i++) {
+                    const float *row = x + i * units;
+                    for (int64_t u = 0; u < units; u++) {
+                        double v = is_finite(row[u]) ? row[u] : 0.0;
+                        sum[u] += v;
+                        sumsq[u] += v * v;
+                    }
+                }
+            } else {
+                for (int64_t u = 0; u < units; u++) { sum[u] += ps[u]; sumsq[u] += pss[u]; }
+            }
+            for (int64_t u = 0; u < units; u++) { zero[u] += pz[u]; finite[u] += pf[u]; }
+        }
+        free(ps); free(pss); free(pz); free(pf);
+    } else { /* [before, units, after] with after > 1 (NCHW and the like): runs along `after` */
+        for (int64_t i = 0; i < before; i++) {
+            for (int64_t u = 0; u < units; u++) {
+                const float *p = x + (i * units + u) * after;
+                double s = 0, ss = 0;
+                float lo = mn[u], hi = mx[u], dev = mindev[u];
+                int64_t z = 0, fin = 0;
+                for (int64_t a = 0; a < after; a++) {
+                    float v = p[a];
+                    int f = is_finite(v);
+                    float vf = f ? v : 0.0f;
+                    float d = fabsf(v - centre);
+                    s += vf;
+                    ss += (double)vf * vf;
+                    lo = (f & (v < lo)) ? v : lo;
+                    hi = (f & (v > hi)) ? v : hi;
+                    dev = (f & (d < dev)) ? d : dev;
+                    z += v == 0.0f;
+                    fin += f;
+                }
+                sum[u] += s; sumsq[u] += ss; mn[u] = lo; mx[u] = hi; mindev[u] = dev; zero[u] += z; finite[u] += fin;
+                if (hist) nan += count_bins(&b, hist, p, after);
+            }
+        }
+    }
+    int64_t total = before * units * after, fin_total = 0;
+    for (int64_t u = 0; u < units; u++) fin_total += finite[u];
+    if (!hist) { /* NaN and Inf apart need a look at the non-finite values */
+        for (int64_t k = 0; k < total && fin_total + nan < total; k++) nan += isnan(x[k]);
+    }
+    nan_inf[0] = nan;
+    nan_inf[1] = total - fin_total - nan;
+    return 0;
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel", "actrace's fused reduction kernel", -1, NULL};
+
+PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }
