@@ -10,7 +10,9 @@
 #include <string.h>
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
-#define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
+#define RUN 1024     /* values of one unit summed in float before the running sums take them */
+#define BIG 1.0e18f
+#define MAX_BINS 160 /* at least the spec's 141 */  /* above this, float squares can overflow: such a block is summed in double */
 
 typedef struct {
     const int16_t *key_bin;   /* per key (float bits >> shift): its bin, -1 if the key straddles an edge */
@@ -40,17 +42,23 @@ static inline int is_finite(float v) {
     return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-/* Histogram of n contiguous values; returns how many were NaN. */
-static int64_t count_bins(const Bins *b, int64_t *hist, const float *p, int64_t n) {
+/* Histogram of n contiguous values; returns how many were NaN. The table maps zero's keys to the
+ * zero bin, so the common path has no data-dependent branch; subnormals (which share zero's keys),
+ * keys that straddle an edge, and NaN/Inf take the exact path. Four interleaved copies of the
+ * histogram keep runs of equal values (zeros of a ReLU) from waiting on each other's stores. */
+static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
     int64_t nan = 0;
     for (int64_t a = 0; a < n; a++) {
         float v = p[a];
-        if (v == 0.0f) { hist[b->zero_bin]++; continue; }
         uint32_t bits;
         memcpy(&bits, &v, 4);
         int bin = b->key_bin[bits >> b->shift];
-        if (bin < 0) bin = exact_bin(b, v);
-        if (bin >= 0) hist[bin]++; else nan++;
+        int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0); /* & not &&: no branch */
+        if (__builtin_expect((bin < 0) | subnormal, 0)) {
+            bin = exact_bin(b, v);
+            if (bin < 0) { nan++; continue; }
+        }
+        part[a & 3][bin]++;
     }
     return nan;
 }
@@ -65,6 +73,8 @@ int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t af
                        int64_t *restrict finite, int64_t *restrict hist, int64_t *restrict nan_inf) {
     Bins b = {key_bin, shift, edges, n_edges, zero_bin, n_bins};
     int64_t nan = 0;
+    int64_t part[4][MAX_BINS];
+    memset(part, 0, sizeof part);
     if (after == 1) { /* dense [rows, units]: blocks of rows, float partials in L1, then double */
         float *ps = malloc(units * sizeof(float)), *pss = malloc(units * sizeof(float));
         int32_t *pz = malloc(units * sizeof(int32_t)), *pf = malloc(units * sizeof(int32_t));
@@ -90,7 +100,7 @@ int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t af
                     pz[u] += v == 0.0f;
                     pf[u] += f;
                 }
-                if (hist) nan += count_bins(&b, hist, row, units);
+                if (hist) nan += count_bins(&b, part, row, units);
             }
             if (big) { /* float squares could overflow: this block's sums again, in double */
                 for (int64_t i = i0; i < i1; i++) {
@@ -111,27 +121,45 @@ int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t af
         for (int64_t i = 0; i < before; i++) {
             for (int64_t u = 0; u < units; u++) {
                 const float *p = x + (i * units + u) * after;
-                double s = 0, ss = 0;
                 float lo = mn[u], hi = mx[u], dev = mindev[u];
-                int64_t z = 0, fin = 0;
-                for (int64_t a = 0; a < after; a++) {
-                    float v = p[a];
-                    int f = is_finite(v);
-                    float vf = f ? v : 0.0f;
-                    float d = fabsf(v - centre);
-                    s += vf;
-                    ss += (double)vf * vf;
-                    lo = (f & (v < lo)) ? v : lo;
-                    hi = (f & (v > hi)) ? v : hi;
-                    dev = (f & (d < dev)) ? d : dev;
-                    z += v == 0.0f;
-                    fin += f;
+                for (int64_t a0 = 0; a0 < after; a0 += RUN) { /* float partials per run, then double */
+                    int64_t a1 = a0 + RUN < after ? a0 + RUN : after;
+                    float s = 0, ss = 0;
+                    int32_t z = 0, fin = 0, big = 0;
+                    for (int64_t a = a0; a < a1; a++) {
+                        float v = p[a];
+                        int f = is_finite(v);
+                        float vf = f ? v : 0.0f;
+                        float d = fabsf(v - centre);
+                        s += vf;
+                        ss += vf * vf;
+                        big |= fabsf(vf) > BIG;
+                        lo = (f & (v < lo)) ? v : lo;
+                        hi = (f & (v > hi)) ? v : hi;
+                        dev = (f & (d < dev)) ? d : dev;
+                        z += v == 0.0f;
+                        fin += f;
+                    }
+                    if (big) { /* float squares could overflow: this run's sums again, in double */
+                        double ds = 0, dss = 0;
+                        for (int64_t a = a0; a < a1; a++) {
+                            double v = is_finite(p[a]) ? p[a] : 0.0;
+                            ds += v;
+                            dss += v * v;
+                        }
+                        sum[u] += ds; sumsq[u] += dss;
+                    } else {
+                        sum[u] += s; sumsq[u] += ss;
+                    }
+                    zero[u] += z; finite[u] += fin;
                 }
-                sum[u] += s; sumsq[u] += ss; mn[u] = lo; mx[u] = hi; mindev[u] = dev; zero[u] += z; finite[u] += fin;
-                if (hist) nan += count_bins(&b, hist, p, after);
+                mn[u] = lo; mx[u] = hi; mindev[u] = dev;
+                if (hist) nan += count_bins(&b, part, p, after);
             }
         }
     }
+    if (hist)
+        for (int k = 0; k < n_bins; k++) hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];
     int64_t total = before * units * after, fin_total = 0;
     for (int64_t u = 0; u < units; u++) fin_total += finite[u];
     if (!hist) { /* NaN and Inf apart need a look at the non-finite values */

@@ -30,6 +30,7 @@ def _load():
 
 def _key_table() -> np.ndarray:
     """Each key's bin where every float32 with that key lands in one bin, else -1 (exact path)."""
+    assert bins.N_BINS <= 160, "MAX_BINS in _kernel.c"
     keys = np.arange(1 << (32 - SHIFT), dtype=np.uint64)
     first = (keys << SHIFT).astype(np.uint32).view(np.float32)
     last = ((keys << SHIFT) | ((1 << SHIFT) - 1)).astype(np.uint32).view(np.float32)
@@ -37,7 +38,9 @@ def _key_table() -> np.ndarray:
         same = ~np.isnan(first) & ~np.isnan(last)
         b_first = np.where(same, bins.bin_index(np.where(same, first, 0)), -1)
         b_last = np.where(same, bins.bin_index(np.where(same, last, 0)), -1)
-    return np.where(same & (b_first == b_last), b_first, -1).astype(np.int16)
+    table = np.where(same & (b_first == b_last), b_first, -1).astype(np.int16)
+    table[[0, 1 << (31 - SHIFT)]] = bins.ZERO_BIN  # ±0's keys; the kernel sends their subnormals the exact way
+    return table
 
 
 _fn = _load()
