@@ -1,11 +1,11 @@
 """On-device reductions of torch tensors: the spec's per-unit statistics in few passes, no syncs.
 
-`reduce_tensor` queues the work: a CPU float32 tensor goes to the core's fused C kernel on a
-two-thread pool (ctypes releases the GIL, so it runs while the forward goes on); other tensors
-are reduced with torch kernels on their device. `settle` finishes a batch of readings before
-their tensors are freed (waits for the kernel jobs, one host sync to find the rare torch-path
-reading with a NaN or Inf, which is then counted exactly); `to_readings` moves the numbers to the
-host in one transfer. Values agree with `actrace.reduce.reduce_array` (the tests check).
+`reduce_tensor` queues the work: a CPU float32 tensor waits for the core's fused C kernel; other
+tensors are reduced with torch kernels on their device. `settle` finishes a batch of readings
+before their tensors are freed: the fused kernel on two threads (ctypes releases the GIL), then
+one host sync to find the rare torch-path reading with a NaN or Inf, counted again exactly.
+`to_readings` moves the numbers to the host in one transfer. Values agree with
+`actrace.reduce.reduce_array` (the tests check).
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ class Pending:
     source: torch.Tensor | None = None        # until `settle`: for the rare exact non-finite re-count
     hist_source: torch.Tensor | None = None   # until `settle`: a CPU tensor whose histogram is due
     fused: tuple | None = None                # until `settle`: a CPU float32 tensor for the fused kernel
-    future: object = None                     # the fused kernel's job, running beside the forward
 
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
@@ -112,12 +111,12 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         return pending
     c = centre(bounds)
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
-        # one fused pass per tensor on the pool, while the forward goes on
+        # one fused pass per tensor in `settle`, two at a time once the forward is over: beside it,
+        # the kernel threads would fight torch's spinning OpenMP threads (measured: slower)
         before = 1 if unit_axis is None else int(np.prod(shape[:axis]))
         pending.fused = (x.contiguous(), before, c, histogram)
         pending.source = None
         pending.stats = common
-        pending.future = _pool.submit(_fused, pending)
         return pending
     # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
     work = scratch_like(x, x.dtype)
@@ -197,8 +196,8 @@ def settle(pending: list[Pending]) -> None:
     threads, then one host sync for the whole batch to find readings with a NaN or Inf (a
     non-finite sum of squares), which are re-counted exactly. Drops the tensor references."""
     fused = [p for p in pending if p.fused is not None]
-    for p in fused:
-        p.stats.update(p.future.result())
+    for p, stats in zip(fused, _pool.map(_fused, fused)):
+        p.stats.update(stats)
         p.fused = None
     due = [p for p in pending if p.hist_source is not None]
     for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
