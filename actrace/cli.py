@@ -42,18 +42,22 @@ def analysis_metrics(args):
 
 
 def analysis(args):
-    """Metrics, findings and comparison for the analyzer commands' common options."""
-    from .analyzer.compare import compare, load_mapping
+    """Metrics and findings for the analyzer commands' common options."""
     from .analyzer.findings import Rules, findings
 
     m = analysis_metrics(args)
     rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation") if getattr(args, k, None) is not None})
     progress("applying findings rules")
-    found = findings(m, rules)
-    mapping = load_mapping(args.mapping) if getattr(args, "mapping", None) else None
-    baseline = getattr(args, "baseline", None) or first_run(args.paths)
-    comparison = compare(m, baseline, mapping=mapping, x=getattr(args, "x", "step"))
-    return m, found, comparison, mapping
+    return m, findings(m, rules)
+
+
+def comparison(args, m):
+    """The runs' differences from the baseline (`--baseline`, else the first trace's run)."""
+    from .analyzer.compare import compare, load_mapping
+
+    progress("comparing runs")
+    mapping = load_mapping(args.mapping) if args.mapping else None
+    return compare(m, args.baseline or first_run(args.paths), mapping=mapping, x=args.x), mapping
 
 
 def cmd_summary(args) -> int:
@@ -69,13 +73,14 @@ def cmd_summary(args) -> int:
         else:
             sys.stdout.write(text)
         return 0
-    m, found, comparison, _ = analysis(args)
+    m, found = analysis(args)
+    compared, _ = comparison(args, m)
     print(format_findings(found))
     print()
     print(layer_table(m))
-    if not comparison.is_empty():
+    if not compared.is_empty():
         print()
-        print(format_comparison(comparison))
+        print(format_comparison(compared))
     return 0
 
 
@@ -83,8 +88,10 @@ def cmd_report(args) -> int:
     from .analyzer.report import build_report
     from .analyzer.summary import format_findings
 
-    m, found, _, mapping = analysis(args)
-    out = build_report(args.paths, m, found, args.output, mapping=mapping, x=args.x, progress=progress)
+    m, found = analysis(args)
+    compared, mapping = comparison(args, m)
+    out = build_report(args.paths, m, found, args.output, compared=compared, mapping=mapping, x=args.x,
+                       progress=progress)
     print(format_findings(found))
     print(f"report: {out} ({out.stat().st_size / 2**20:.1f} MiB; open it in any browser, it works offline)")
     return 0
@@ -93,7 +100,7 @@ def cmd_report(args) -> int:
 def cmd_check(args) -> int:
     from .analyzer.check import violations
 
-    m, found, _, _ = analysis(args)
+    m, found = analysis(args)
     bad = violations(m, found, max_dead=args.max_dead, max_saturation=args.max_saturation, no_nan=args.no_nan,
                      min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm, fail_on=args.fail_on)
     for line in bad:

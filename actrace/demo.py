@@ -112,6 +112,7 @@ def run_demo(out_dir) -> int:
     import torch
 
     from .adapters.onnx import record_onnx
+    from .analyzer.compare import compare
     from .analyzer.findings import findings
     from .analyzer.metrics import metrics
     from .analyzer.report import build_report
@@ -142,7 +143,9 @@ def run_demo(out_dir) -> int:
     say(f"[{len(RUNS) + 2}/{len(RUNS) + 2}] analyzing {len(traces)} traces")
     m = metrics(traces)
     found = findings(m)
-    report = build_report(traces, m, found, out_dir / "report.html", progress=lambda msg: say(f"  {msg}…"))
+    compared = compare(m, RUNS[0].name)
+    report = build_report(traces, m, found, out_dir / "report.html", compared=compared,
+                          progress=lambda msg: say(f"  {msg}…"))
     print(format_findings(found))
     print(f"\ntraces:  {runs_dir}/  ({len(traces)} runs: {', '.join(p.stem for p in traces)})")
     print(f"report:  {report}  (open it in a browser; it works offline)")

@@ -95,6 +95,7 @@ tr.critical td:first-child {{ color: #b00020; font-weight: 600 }} tr.warning td:
 <p class="muted">{subtitle}</p>
 <h2>Findings</h2>
 {findings}
+{comparison}
 {sections}
 <h2>Runs</h2>
 {runs}
@@ -128,8 +129,22 @@ def _findings_html(found: list[Finding]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, mapping=None, x: str = "step",
-                 progress=lambda msg: None) -> Path:
+def _comparison_html(compared: pl.DataFrame | None, per_metric: int = 5) -> str:
+    """The layers that differ most from the baseline run, per metric."""
+    if compared is None or compared.is_empty():
+        return ""
+    rows = [dict(r, value=f"{r['value']:.3g}", baseline_value=f"{r['baseline_value']:.3g}",
+                 difference=f"{r['difference']:+.3g}")
+            for r in compared.group_by("metric", maintain_order=True).head(per_metric).iter_rows(named=True)]
+    return (f"<h2>Differences from the baseline run {html.escape(compared['baseline'][0])}</h2>"
+            "<p class='muted'>Mean over the aligned steps; for std and gradient norm the difference is in "
+            "orders of magnitude (log10 ratio).</p>"
+            + _table(rows, ["metric", "run", "aligned", "stream", "value", "baseline_value", "difference",
+                            "points"]))
+
+
+def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, compared: pl.DataFrame | None = None,
+                 mapping=None, x: str = "step", progress=lambda msg: None) -> Path:
     """Write the report for metrics `m` (from `metrics()`) and its findings to `out`."""
     import altair as alt
     import vl_convert
@@ -202,7 +217,7 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, map
         bundle=vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert()),
         subtitle=html.escape(f"{n_runs} run(s), {n_layers} layer readings series, "
                              f"{len(found)} finding(s)"),
-        findings=_findings_html(found), sections="\n".join(sections),
+        findings=_findings_html(found), comparison=_comparison_html(compared), sections="\n".join(sections),
         runs=_table(runs, ["run", "framework", "adapter", "mode", "probe", "created", "host", "config", "file"]),
         specs="{" + ",".join(f'"{k}": {v}' for k, v in specs.items()) + "}")
     out = Path(out)

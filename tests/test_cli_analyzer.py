@@ -62,3 +62,15 @@ def test_bad_arguments_get_a_clear_message(cli, runs, args, message):
     args = [str(runs) if a in ("X", "R") else a for a in args]
     res = cli(*args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_mapping_file_aligns_layers_of_differently_named_runs(cli, tmp_path):
+    write_run(tmp_path / "a.parquet", "a", depth=3)
+    write_run(tmp_path / "b.parquet", "b", depth=3, dead=lambda s: 16, layer_names=["x0", "x1", "x2", "out"])
+    (tmp_path / "map.csv").write_text("run,layer,aligned\nb,x0,block0.relu\nb,x1,block1.relu\n"
+                                      "b,x2,block2.relu\nb,out,head.tanh\n")
+    res = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "map.csv")
+    assert res.returncode == 0, res.stderr
+    assert "dead_fraction     b / block2.relu: 0.5 vs 0  (difference +0.5)" in res.stdout
+    bad = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "nope.csv")
+    assert bad.returncode == 2 and "nope.csv" in bad.stderr and "not a layer mapping" in bad.stderr

@@ -52,6 +52,7 @@ def test_report_renders_offline_with_every_chart_and_no_script_error(report):
     assert errors == [] and requests == [] and dialogs == []
     assert "dead_growing" in findings_text and "dying" in findings_text
     assert HOSTILE in page_text and images == 0 and bold == 0
+    assert "Differences from the baseline run healthy" in page_text and "dead_fraction" in page_text
 
 
 def test_report_is_self_contained(report):
