@@ -61,4 +61,7 @@ def reduce_f32(x3: np.ndarray, centre: float, histogram: bool) -> dict:
     _fn(x3.ctypes.data, before, units, after, centre, _TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES),
         bins.ZERO_BIN, bins.N_BINS, *(ptr(out[k]) for k in ("sum", "sumsq", "min", "max", "min_dev", "zero",
                                                               "finite", "hist", "nan_inf")))
+    empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
+    for k in ("min", "max", "min_dev"):
+        out[k][empty] = np.nan
     return out

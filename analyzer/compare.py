@@ -78,7 +78,7 @@ def compare(m: pl.DataFrame, baseline: str | None = None, *, mapping=None, x: st
             .agg(pl.col("value").mean(), pl.col("baseline_value").mean(), pl.col("difference").mean(),
                  pl.len().alias("points"))
             .with_columns(pl.col("difference").abs().alias("_abs"))
-            .filter(pl.col("_abs") > 1e-9)
+            .filter((pl.col("_abs") > 1e-9) & pl.col("_abs").is_finite())  # NaN runs are nan_inf's business
             .sort("_abs", descending=True).drop("_abs")
             .group_by("metric", maintain_order=True).head(top)
             .with_columns(pl.lit(baseline).alias("baseline")))

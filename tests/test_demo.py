@@ -56,6 +56,7 @@ def test_nan_is_found_at_its_first_step(demo):
     (nan,) = [f for f in demo[3] if f.run == "nan-loss" and f.rule == "nan_inf"]
     assert 200 <= nan.step <= 205
     assert ("exploding_gradients", "fc1") in _found(demo[3], "nan-loss")
+    assert not [f for f in demo[3] if f.run == "nan-loss" and f.rule.startswith("dead")]  # NaN is not death
 
 
 def test_pytorch_and_onnx_readings_of_the_same_checkpoints_agree(demo):

@@ -103,6 +103,17 @@ def test_the_accelerator_histogram_path_equals_the_definition():
     np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_unit_with_no_finite_value_has_nan_extremes_and_is_not_dead(dtype):
+    t = torch.zeros(4, 3, dtype=dtype)
+    t[:, 1] = float("nan")
+    (r,) = _torch_reduce.to_readings([_torch_reduce.reduce_tensor(t, 1, "relu", layer="x")])
+    assert np.isnan(r.unit_min[1]) and np.isnan(r.unit_max[1]) and np.isnan(r.unit_min_dev[1])
+    assert r.unit_count.tolist() == [4, 0, 4] and r.nan_count == 4
+    want = reduce_array(t.numpy(), 1, "relu", layer="x")
+    np.testing.assert_array_equal(r.unit_max, want.unit_max)
+
+
 def test_nonfinite_activations_fall_back_to_the_exact_count():
     t = torch.ones(4, 3)
     t[0, 0], t[1, 1] = float("nan"), float("inf")
