@@ -1,7 +1,9 @@
-"""Reference reductions (numpy): a tensor, its unit axis and its kind → one mergeable Reading.
+"""Reference reductions: a tensor, its unit axis and its kind → one mergeable Reading.
 
-Implements spec/trace-v1.md §Units and §Reductions. Adapters with faster paths must agree
-with `reduce_array` within float tolerance; `merge` combines readings of batch chunks exactly.
+Implements spec/trace-v1.md §Units and §Columns: float32 goes through the fused kernel
+(`actrace.kernel`) when it is built, anything else (or float32 without it) through numpy; the
+tests hold the two, and every adapter's fast path, to each other. `merge` combines readings of
+batch chunks: counts, extremes and histograms exactly, sums to float rounding.
 """
 from __future__ import annotations
 

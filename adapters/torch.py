@@ -2,8 +2,9 @@
 
 Probe readings run the fixed probe batch in eval mode under `no_grad` (the model's modes are
 restored afterwards) and read every selected module's output through forward hooks; gradient
-readings read `.grad` of every parameter after `backward()`. Reductions run on the tensors'
-device; results move to the host once per reading. Functional activations (`F.relu` inside
+readings read `.grad` of every parameter after `backward()`. CPU float32 outputs are reduced by
+the core's fused kernel once the forward is over; other tensors by torch kernels on their device,
+with results moved to the host once per reading. Functional activations (`F.relu` inside
 `nn.TransformerEncoderLayer`) are read as the input of the module that consumes them
 (`linear2`), which in eval mode is exactly the activation's output.
 """
