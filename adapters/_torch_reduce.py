@@ -235,7 +235,7 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
 def _finish(p: Pending, v: dict) -> Reading:
     shape = (int(v["shape0"][0]),) + tuple(p.shape[1:])
     count = int(np.prod(shape)) if shape else 1
-    units = 1 if p.unit_axis is None else p.shape[p.unit_axis]
+    units = _units(p)
     nan, inf = int(v["nan"][0]), int(v["inf"][0])
     finite = np.isfinite(v["unit_min"])
     r = Reading(layer=p.layer, kind=p.kind, stream=p.stream, dtype=p.dtype, shape=shape,

@@ -80,16 +80,20 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
         dev, dev_starts, _ = _flat(table["unit_min_dev"])
         b_lo = table["bound_lo"].to_numpy(zero_copy_only=False)
         b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
-        need = (b_hi - b_lo) / 2 - (1 - th.sat_threshold) * np.maximum(np.abs(b_lo), np.abs(b_hi)) - _TOL
+        need = (b_hi - b_lo) / 2 - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
         lengths = np.diff(np.append(dev_starts, len(dev)))
         pinned = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
     pinned[np.isnan(b_lo)] = np.nan
     return {"dead_units": dead, "pinned_units": pinned}
 
 
+def _finite_n() -> pl.Expr:
+    return pl.col("count") - pl.col("nan_count") - pl.col("inf_count")
+
+
 def sparsity() -> pl.Expr:
     """Share of individual finite values that are exactly zero (not death)."""
-    finite = pl.col("count") - pl.col("nan_count") - pl.col("inf_count")
+    finite = _finite_n()
     return pl.when(finite > 0).then(pl.col("zero_count") / finite).alias("sparsity")
 
 
@@ -102,10 +106,6 @@ def saturation_value(t: float, bound_pairs: list[tuple[float, float]]) -> pl.Exp
         share = (pl.col("hist") * mask).list.sum() / non_nan
         expr = pl.when((pl.col("bound_lo") == lo) & (pl.col("bound_hi") == hi)).then(share).otherwise(expr)
     return expr.alias("saturation_value")
-
-
-def _finite_n() -> pl.Expr:
-    return pl.col("count") - pl.col("nan_count") - pl.col("inf_count")
 
 
 def moments() -> list[pl.Expr]:
