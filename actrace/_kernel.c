@@ -1,7 +1,9 @@
 /* One fused pass over a float32 tensor: every per-unit reduction of spec/trace-v1.md §Columns and
  * the fixed histogram, with no temporaries. Called through ctypes (which releases the GIL, so two
- * tensors reduce at once on two cores); actrace/fastreduce.py owns the tables and the fallback.
- * The tensor is viewed as (before, units, after): the unit axis in the middle, contiguous. */
+ * tensors reduce at once on two cores); actrace/kernel.py owns the tables and the fallback.
+ * The tensor is viewed as (before, units, after): the unit axis in the middle, contiguous.
+ * Optionally the same pass also gives the sums and zero counts of relu(x), so a ReLU that reads a
+ * recorded tensor needs no pass of its own. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
@@ -12,8 +14,9 @@
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
 #define RUN 1024     /* values of one unit summed in float before the running sums take them */
-#define BIG 1.0e18f
-#define MAX_BINS 160 /* at least the spec's 141 */  /* above this, float squares can overflow: such a block is summed in double */
+#define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
+#define MAX_BINS 160 /* at least the spec's 141 */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const int16_t *key_bin;   /* per key (float bits >> shift): its bin, -1 if the key straddles an edge */
@@ -22,6 +25,12 @@ typedef struct {
     int n_edges;
     int zero_bin, n_bins;
 } Bins;
+
+typedef struct { /* per-unit outputs, initialized by the caller; the r* (relu(x)) ones may be NULL */
+    double *sum, *sumsq, *rsum, *rsumsq;
+    float *mn, *mx, *mindev;
+    int64_t *zero, *finite, *rzero;
+} Out;
 
 static int exact_bin(const Bins *b, float v) {
     if (isnan(v)) return -1;
@@ -64,17 +73,88 @@ static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float 
     return nan;
 }
 
+/* Double sums of a block whose float squares could overflow (values above BIG). */
+static void sums_in_double(const float *p, int64_t n, int64_t stride, double *s, double *ss, double *rs,
+                           double *rss) {
+    for (int64_t k = 0; k < n; k++) {
+        double v = is_finite(p[k * stride]) ? p[k * stride] : 0.0, vp = v > 0 ? v : 0.0;
+        *s += v; *ss += v * v;
+        if (rs) { *rs += vp; *rss += vp * vp; }
+    }
+}
+
+/* Dense [rows, units]: blocks of ROWS rows, float partials in L1, then double. `relu` is a
+ * constant at each call, so the compiler makes a loop without the relu sums. */
+INLINE int dense(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float *x, int64_t before,
+                 int64_t units, float centre, const Out *o, const int relu, int64_t *nan) {
+    float *ps = malloc(units * sizeof(float) * 4);
+    int32_t *pz = malloc(units * sizeof(int32_t) * 3);
+    if (!ps || !pz) { free(ps); free(pz); return -1; }
+    float *pss = ps + units, *prs = ps + 2 * units, *prss = ps + 3 * units;
+    int32_t *pf = pz + units, *prz = pz + 2 * units;
+    for (int64_t i0 = 0; i0 < before; i0 += ROWS) {
+        int64_t i1 = i0 + ROWS < before ? i0 + ROWS : before;
+        memset(ps, 0, units * sizeof(float) * 4);
+        memset(pz, 0, units * sizeof(int32_t) * 3);
+        int big = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            const float *row = x + i * units;
+            for (int64_t u = 0; u < units; u++) {
+                float v = row[u];
+                int f = is_finite(v);
+                float vf = f ? v : 0.0f;
+                float d = fabsf(v - centre);
+                ps[u] += vf;
+                pss[u] += vf * vf;
+                big |= fabsf(vf) > BIG;
+                o->mn[u] = (f & (v < o->mn[u])) ? v : o->mn[u];
+                o->mx[u] = (f & (v > o->mx[u])) ? v : o->mx[u];
+                o->mindev[u] = (f & (d < o->mindev[u])) ? d : o->mindev[u];
+                pz[u] += v == 0.0f;
+                pf[u] += f;
+                if (relu) {
+                    float vp = vf > 0.0f ? vf : 0.0f;
+                    prs[u] += vp;
+                    prss[u] += vp * vp;
+                    prz[u] += f & (v <= 0.0f);
+                }
+            }
+            if (hist) *nan += count_bins(b, part, row, units);
+        }
+        for (int64_t u = 0; u < units; u++) {
+            if (big) {
+                double r0 = 0, r1 = 0;
+                sums_in_double(x + i0 * units + u, i1 - i0, units, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
+                if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
+            } else {
+                o->sum[u] += ps[u]; o->sumsq[u] += pss[u];
+                if (relu) { o->rsum[u] += prs[u]; o->rsumsq[u] += prss[u]; }
+            }
+            o->zero[u] += pz[u]; o->finite[u] += pf[u];
+            if (relu) o->rzero[u] += prz[u];
+        }
+    }
+    free(ps); free(pz);
+    return 0;
+}
+
+typedef struct { float s, ss, rs, rss, lo, hi, dev; int32_t z, fin, rz, big; } Acc;
+
 #ifdef __SSE2__
 #include <emmintrin.h>
+static float hsum(__m128 v) { float t[4]; _mm_storeu_ps(t, v); return (t[0] + t[1]) + (t[2] + t[3]); }
+static int32_t hsum_i(__m128i v) { int32_t t[4]; _mm_storeu_si128((__m128i *)t, v); return t[0] + t[1] + t[2] + t[3]; }
+static float hmin(__m128 v) { float t[4]; _mm_storeu_ps(t, v); float m = t[0]; for (int i = 1; i < 4; i++) m = t[i] < m ? t[i] : m; return m; }
+static float hmax(__m128 v) { float t[4]; _mm_storeu_ps(t, v); float m = t[0]; for (int i = 1; i < 4; i++) m = t[i] > m ? t[i] : m; return m; }
+
 /* The run loop four values at a time (the compiler does not vectorize its masked min/max):
  * non-finite lanes are replaced before every sum, min and max. Returns where the scalar tail starts. */
-static int64_t run_sse2(const float *p, int64_t a0, int64_t a1, float centre, float *s, float *ss, float *lo,
-                        float *hi, float *dev, int32_t *z, int32_t *fin, int32_t *big) {
+INLINE int64_t run_sse2(const float *p, int64_t a0, int64_t a1, float centre, Acc *acc, const int relu) {
     const __m128i exp = _mm_set1_epi32(0x7f800000), absmask = _mm_set1_epi32(0x7fffffff);
     const __m128 c4 = _mm_set1_ps(centre), huge = _mm_set1_ps(FLT_MAX), zero = _mm_setzero_ps();
-    __m128 s4 = zero, ss4 = zero, lo4 = _mm_set1_ps(*lo), hi4 = _mm_set1_ps(*hi), dev4 = _mm_set1_ps(*dev);
-    __m128 big4 = zero;
-    __m128i z4 = _mm_setzero_si128(), f4 = _mm_setzero_si128();
+    __m128 s4 = zero, ss4 = zero, rs4 = zero, rss4 = zero, big4 = zero;
+    __m128 lo4 = _mm_set1_ps(acc->lo), hi4 = _mm_set1_ps(acc->hi), dev4 = _mm_set1_ps(acc->dev);
+    __m128i z4 = _mm_setzero_si128(), f4 = _mm_setzero_si128(), rz4 = _mm_setzero_si128();
     int64_t a = a0;
     for (; a + 4 <= a1; a += 4) {
         __m128 v = _mm_loadu_ps(p + a);
@@ -90,119 +170,90 @@ static int64_t run_sse2(const float *p, int64_t a0, int64_t a1, float centre, fl
         dev4 = _mm_min_ps(dev4, _mm_or_ps(_mm_and_ps(bad, huge), _mm_andnot_ps(bad, d)));
         z4 = _mm_sub_epi32(z4, _mm_castps_si128(_mm_cmpeq_ps(v, zero)));
         f4 = _mm_sub_epi32(f4, _mm_xor_si128(_mm_castps_si128(bad), _mm_set1_epi32(-1)));
+        if (relu) {
+            __m128 vp = _mm_max_ps(vf, zero);
+            rs4 = _mm_add_ps(rs4, vp);
+            rss4 = _mm_add_ps(rss4, _mm_mul_ps(vp, vp));
+            rz4 = _mm_sub_epi32(rz4, _mm_castps_si128(_mm_andnot_ps(bad, _mm_cmple_ps(v, zero))));
+        }
     }
-    float t[4];
-    int32_t k[4];
-    _mm_storeu_ps(t, s4); *s += (t[0] + t[1]) + (t[2] + t[3]);
-    _mm_storeu_ps(t, ss4); *ss += (t[0] + t[1]) + (t[2] + t[3]);
-    _mm_storeu_ps(t, lo4); for (int i = 0; i < 4; i++) *lo = t[i] < *lo ? t[i] : *lo;
-    _mm_storeu_ps(t, hi4); for (int i = 0; i < 4; i++) *hi = t[i] > *hi ? t[i] : *hi;
-    _mm_storeu_ps(t, dev4); for (int i = 0; i < 4; i++) *dev = t[i] < *dev ? t[i] : *dev;
-    _mm_storeu_ps(t, big4); for (int i = 0; i < 4; i++) *big |= t[i] > BIG;
-    _mm_storeu_si128((__m128i *)k, z4); *z += k[0] + k[1] + k[2] + k[3];
-    _mm_storeu_si128((__m128i *)k, f4); *fin += k[0] + k[1] + k[2] + k[3];
+    acc->s += hsum(s4); acc->ss += hsum(ss4); acc->rs += hsum(rs4); acc->rss += hsum(rss4);
+    acc->lo = fminf(acc->lo, hmin(lo4)); acc->hi = fmaxf(acc->hi, hmax(hi4)); acc->dev = fminf(acc->dev, hmin(dev4));
+    acc->big |= hmax(big4) > BIG;
+    acc->z += hsum_i(z4); acc->fin += hsum_i(f4); acc->rz += hsum_i(rz4);
     return a;
 }
 #endif
 
+/* [before, units, after] with after > 1 (NCHW and the like): runs along `after`. */
+INLINE void runs(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float *x, int64_t before,
+                 int64_t units, int64_t after, float centre, const Out *o, const int relu, int64_t *nan) {
+    for (int64_t i = 0; i < before; i++) {
+        for (int64_t u = 0; u < units; u++) {
+            const float *p = x + (i * units + u) * after;
+            Acc acc = {.lo = o->mn[u], .hi = o->mx[u], .dev = o->mindev[u]};
+            for (int64_t a0 = 0; a0 < after; a0 += RUN) { /* float partials per run, then double */
+                int64_t a1 = a0 + RUN < after ? a0 + RUN : after;
+                acc.s = acc.ss = acc.rs = acc.rss = 0;
+                acc.big = 0;
+                int64_t a = a0;
+#ifdef __SSE2__
+                a = run_sse2(p, a0, a1, centre, &acc, relu);
+#endif
+                for (; a < a1; a++) {
+                    float v = p[a];
+                    int f = is_finite(v);
+                    float vf = f ? v : 0.0f, vp = vf > 0.0f ? vf : 0.0f;
+                    float d = fabsf(v - centre);
+                    acc.s += vf; acc.ss += vf * vf;
+                    if (relu) { acc.rs += vp; acc.rss += vp * vp; acc.rz += f & (v <= 0.0f); }
+                    acc.big |= fabsf(vf) > BIG;
+                    acc.lo = (f & (v < acc.lo)) ? v : acc.lo;
+                    acc.hi = (f & (v > acc.hi)) ? v : acc.hi;
+                    acc.dev = (f & (d < acc.dev)) ? d : acc.dev;
+                    acc.z += v == 0.0f;
+                    acc.fin += f;
+                }
+                if (acc.big) {
+                    double r0 = 0, r1 = 0;
+                    sums_in_double(p + a0, a1 - a0, 1, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
+                    if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
+                } else {
+                    o->sum[u] += acc.s; o->sumsq[u] += acc.ss;
+                    if (relu) { o->rsum[u] += acc.rs; o->rsumsq[u] += acc.rss; }
+                }
+            }
+            o->zero[u] += acc.z; o->finite[u] += acc.fin;
+            if (relu) o->rzero[u] += acc.rz;
+            o->mn[u] = acc.lo; o->mx[u] = acc.hi; o->mindev[u] = acc.dev;
+            if (hist) *nan += count_bins(b, part, p, after);
+        }
+    }
+}
+
 /* Outputs are per unit, initialized by the caller: sums 0, min +inf, max -inf, mindev +inf.
  * Non-finite values are kept out of every statistic (branch-free, so the loops vectorize);
- * nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count. */
+ * nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count. rsum, rsumsq and rzero (the sums
+ * of relu(x) over finite values, and how many finite values are <= 0) are filled when not NULL. */
 int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t after, float centre,
                        const int16_t *key_bin, int shift, const double *edges, int n_edges, int zero_bin,
-                       int n_bins, double *restrict sum, double *restrict sumsq, float *restrict mn,
-                       float *restrict mx, float *restrict mindev, int64_t *restrict zero,
-                       int64_t *restrict finite, int64_t *restrict hist, int64_t *restrict nan_inf) {
+                       int n_bins, double *sum, double *sumsq, float *mn, float *mx, float *mindev,
+                       int64_t *zero, int64_t *finite, int64_t *hist, int64_t *nan_inf, double *rsum,
+                       double *rsumsq, int64_t *rzero) {
     Bins b = {key_bin, shift, edges, n_edges, zero_bin, n_bins};
+    Out o = {sum, sumsq, rsum, rsumsq, mn, mx, mindev, zero, finite, rzero};
     int64_t nan = 0;
     int64_t part[4][MAX_BINS];
     memset(part, 0, sizeof part);
-    if (after == 1) { /* dense [rows, units]: blocks of rows, float partials in L1, then double */
-        float *ps = malloc(units * sizeof(float)), *pss = malloc(units * sizeof(float));
-        int32_t *pz = malloc(units * sizeof(int32_t)), *pf = malloc(units * sizeof(int32_t));
-        if (!ps || !pss || !pz || !pf) { free(ps); free(pss); free(pz); free(pf); return -1; }
-        for (int64_t i0 = 0; i0 < before; i0 += ROWS) {
-            int64_t i1 = i0 + ROWS < before ? i0 + ROWS : before;
-            memset(ps, 0, units * sizeof(float)); memset(pss, 0, units * sizeof(float));
-            memset(pz, 0, units * sizeof(int32_t)); memset(pf, 0, units * sizeof(int32_t));
-            int big = 0;
-            for (int64_t i = i0; i < i1; i++) {
-                const float *row = x + i * units;
-                for (int64_t u = 0; u < units; u++) {
-                    float v = row[u];
-                    int f = is_finite(v);
-                    float vf = f ? v : 0.0f;
-                    float d = fabsf(v - centre);
-                    ps[u] += vf;
-                    pss[u] += vf * vf;
-                    big |= fabsf(vf) > BIG;
-                    mn[u] = (f & (v < mn[u])) ? v : mn[u];
-                    mx[u] = (f & (v > mx[u])) ? v : mx[u];
-                    mindev[u] = (f & (d < mindev[u])) ? d : mindev[u];
-                    pz[u] += v == 0.0f;
-                    pf[u] += f;
-                }
-                if (hist) nan += count_bins(&b, part, row, units);
-            }
-            if (big) { /* float squares could overflow: this block's sums again, in double */
-                for (int64_t i = i0; i < i1; i++) {
-                    const float *row = x + i * units;
-                    for (int64_t u = 0; u < units; u++) {
-                        double v = is_finite(row[u]) ? row[u] : 0.0;
-                        sum[u] += v;
-                        sumsq[u] += v * v;
-                    }
-                }
-            } else {
-                for (int64_t u = 0; u < units; u++) { sum[u] += ps[u]; sumsq[u] += pss[u]; }
-            }
-            for (int64_t u = 0; u < units; u++) { zero[u] += pz[u]; finite[u] += pf[u]; }
-        }
-        free(ps); free(pss); free(pz); free(pf);
-    } else { /* [before, units, after] with after > 1 (NCHW and the like): runs along `after` */
-        for (int64_t i = 0; i < before; i++) {
-            for (int64_t u = 0; u < units; u++) {
-                const float *p = x + (i * units + u) * after;
-                float lo = mn[u], hi = mx[u], dev = mindev[u];
-                for (int64_t a0 = 0; a0 < after; a0 += RUN) { /* float partials per run, then double */
-                    int64_t a1 = a0 + RUN < after ? a0 + RUN : after;
-                    float s = 0, ss = 0;
-                    int32_t z = 0, fin = 0, big = 0;
-                    int64_t a = a0;
-#ifdef __SSE2__
-                    a = run_sse2(p, a0, a1, centre, &s, &ss, &lo, &hi, &dev, &z, &fin, &big);
-#endif
-                    for (; a < a1; a++) {
-                        float v = p[a];
-                        int f = is_finite(v);
-                        float vf = f ? v : 0.0f;
-                        float d = fabsf(v - centre);
-                        s += vf;
-                        ss += vf * vf;
-                        big |= fabsf(vf) > BIG;
-                        lo = (f & (v < lo)) ? v : lo;
-                        hi = (f & (v > hi)) ? v : hi;
-                        dev = (f & (d < dev)) ? d : dev;
-                        z += v == 0.0f;
-                        fin += f;
-                    }
-                    if (big) { /* float squares could overflow: this run's sums again, in double */
-                        double ds = 0, dss = 0;
-                        for (int64_t a = a0; a < a1; a++) {
-                            double v = is_finite(p[a]) ? p[a] : 0.0;
-                            ds += v;
-                            dss += v * v;
-                        }
-                        sum[u] += ds; sumsq[u] += dss;
-                    } else {
-                        sum[u] += s; sumsq[u] += ss;
-                    }
-                    zero[u] += z; finite[u] += fin;
-                }
-                mn[u] = lo; mx[u] = hi; mindev[u] = dev;
-                if (hist) nan += count_bins(&b, part, p, after);
-            }
-        }
+    int h = hist != NULL;
+    if (after == 1) {
+        int err = rsum ? dense(&b, part, h, x, before, units, centre, &o, 1, &nan)
+                       : dense(&b, part, h, x, before, units, centre, &o, 0, &nan);
+        if (err) return err;
+    } else if (rsum) {
+        runs(&b, part, h, x, before, units, after, centre, &o, 1, &nan);
+    } else {
+        runs(&b, part, h, x, before, units, after, centre, &o, 0, &nan);
     }
     if (hist)
         for (int k = 0; k < n_bins; k++) hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];

@@ -23,7 +23,7 @@ def _load():
     fn = lib.actrace_reduce_f32
     ptr = ctypes.c_void_p
     fn.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ptr, ctypes.c_int, ptr,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ptr] * 9
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ptr] * 12
     fn.restype = ctypes.c_int
     return fn
 
@@ -49,18 +49,23 @@ _TABLE = _key_table() if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
 
 
-def reduce_f32(x3: np.ndarray, centre: float, histogram: bool) -> dict:
+def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:
     """Per-unit sums, sums of squares, extremes, min |h - centre|, zero and finite counts, the
-    histogram, and NaN/Inf totals of a C-contiguous float32 (before, units, after) array."""
+    histogram, and NaN/Inf totals of a C-contiguous float32 (before, units, after) array; with
+    `relu`, also the per-unit sums and sums of squares of relu(x) and how many finite values are <= 0
+    (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values."""
     before, units, after = x3.shape
     out = {"sum": np.zeros(units), "sumsq": np.zeros(units), "min": np.full(units, np.inf, np.float32),
            "max": np.full(units, -np.inf, np.float32), "min_dev": np.full(units, np.inf, np.float32),
            "zero": np.zeros(units, np.int64), "finite": np.zeros(units, np.int64),
-           "hist": np.zeros(bins.N_BINS, np.int64) if histogram else None, "nan_inf": np.zeros(2, np.int64)}
+           "hist": np.zeros(bins.N_BINS, np.int64) if histogram else None, "nan_inf": np.zeros(2, np.int64),
+           "relu_sum": np.zeros(units) if relu else None, "relu_sumsq": np.zeros(units) if relu else None,
+           "relu_zero": np.zeros(units, np.int64) if relu else None}
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     _fn(x3.ctypes.data, before, units, after, centre, _TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES),
         bins.ZERO_BIN, bins.N_BINS, *(ptr(out[k]) for k in ("sum", "sumsq", "min", "max", "min_dev", "zero",
-                                                              "finite", "hist", "nan_inf")))
+                                                              "finite", "hist", "nan_inf", "relu_sum",
+                                                              "relu_sumsq", "relu_zero")))
     empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
     for k in ("min", "max", "min_dev"):
         out[k][empty] = np.nan

@@ -138,12 +138,13 @@ def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
     axes = (0, 2)
 
     def square(b, out):
-        return np.square(b, out=out)
+        return np.square(b, out=out, dtype=out.dtype)
 
+    wide = np.float64 if x3.dtype.itemsize < 8 else None  # float32 squares overflow above 1.8e19
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a sum only says: not finite
         unit_sum = x3.sum(axis=axes, dtype=np.float64)
-        unit_sumsq = _blockwise(x3, square, np.add)
-    # float32 squares cannot overflow float64 sums: finite sums mean every value was finite
+        unit_sumsq = _blockwise(x3, square, np.add, wide)
+    # float64 squares of narrower floats cannot overflow: finite sums mean every value was finite
     all_finite = bool(np.isfinite(unit_sumsq).all() and np.isfinite(unit_sum).all())
     if all_finite:
         nan_count = 0
@@ -155,7 +156,7 @@ def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
         nan_count = int(np.isnan(x3).sum())
         clean = np.where(finite, x3, 0)
         unit_sum = clean.sum(axis=axes, dtype=np.float64)
-        unit_sumsq = _blockwise(clean, square, np.add)
+        unit_sumsq = _blockwise(clean, square, np.add, wide)
         unit_count = finite.sum(axis=axes, dtype=np.int64)
         unit_min = np.where(finite, x3, np.inf).min(axis=axes).astype(np.float64)
         unit_max = np.where(finite, x3, -np.inf).max(axis=axes).astype(np.float64)
