@@ -13,7 +13,7 @@
 #include <string.h>
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
-#define RUN 1024     /* values of one unit summed in float before the running sums take them */
+#define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
 #define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
 #define MAX_BINS 160 /* at least the spec's 141 */
 #define INLINE static inline __attribute__((always_inline))
@@ -25,12 +25,6 @@ typedef struct {
     int n_edges;
     int zero_bin, n_bins;
 } Bins;
-
-typedef struct { /* per-unit outputs, initialized by the caller; the r* (relu(x)) ones may be NULL */
-    double *sum, *sumsq, *rsum, *rsumsq;
-    float *mn, *mx, *mindev;
-    int64_t *zero, *finite, *rzero;
-} Out;
 
 static int exact_bin(const Bins *b, float v) {
     if (isnan(v)) return -1;
@@ -52,23 +46,42 @@ static inline int is_finite(float v) {
     return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
+/* A value's bin from the key table; -1 where it must take the exact path. */
+INLINE int fast_bin(const Bins *b, uint32_t bits) {
+    int bin = b->key_bin[bits >> b->shift];
+    int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0); /* & not &&: no branch */
+    return subnormal ? -1 : bin;
+}
+
+/* Count one value whose fast bin is `bin` (-1: the exact path); returns 1 for a NaN. */
+INLINE int count_one(const Bins *b, int64_t *part, float v, int bin) {
+    if (bin < 0) bin = exact_bin(b, v);
+    if (bin < 0) return 1;
+    part[bin]++;
+    return 0;
+}
+
 /* Histogram of n contiguous values; returns how many were NaN. The table maps zero's keys to the
  * zero bin, so the common path has no data-dependent branch; subnormals (which share zero's keys),
- * keys that straddle an edge, and NaN/Inf take the exact path. Four interleaved copies of the
- * histogram keep runs of equal values (zeros of a ReLU) from waiting on each other's stores. */
+ * keys that straddle an edge, and NaN/Inf take the exact path. Four copies of the histogram, one
+ * per value of a group of four, keep runs of equal values (zeros of a ReLU) from waiting on each
+ * other's stores. */
 static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
-    int64_t nan = 0;
-    for (int64_t a = 0; a < n; a++) {
-        float v = p[a];
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        int bin = b->key_bin[bits >> b->shift];
-        int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0); /* & not &&: no branch */
-        if (__builtin_expect((bin < 0) | subnormal, 0)) {
-            bin = exact_bin(b, v);
-            if (bin < 0) { nan++; continue; }
+    int64_t nan = 0, a = 0;
+    for (; a + 4 <= n; a += 4) {
+        uint32_t w[4];
+        memcpy(w, p + a, sizeof w);
+        int k[4] = {fast_bin(b, w[0]), fast_bin(b, w[1]), fast_bin(b, w[2]), fast_bin(b, w[3])};
+        if (__builtin_expect((k[0] | k[1] | k[2] | k[3]) >= 0, 1)) {
+            part[0][k[0]]++; part[1][k[1]]++; part[2][k[2]]++; part[3][k[3]]++;
+        } else {
+            for (int j = 0; j < 4; j++) nan += count_one(b, part[j], p[a + j], k[j]);
         }
-        part[a & 3][bin]++;
+    }
+    for (; a < n; a++) {
+        uint32_t bits;
+        memcpy(&bits, p + a, 4);
+        nan += count_one(b, part[a & 3], p[a], fast_bin(b, bits));
     }
     return nan;
 }
@@ -83,43 +96,63 @@ static void sums_in_double(const float *p, int64_t n, int64_t stride, double *s,
     }
 }
 
-/* Dense [rows, units]: blocks of ROWS rows, float partials in L1, then double. `relu` is a
- * constant at each call, so the compiler makes a loop without the relu sums. */
-INLINE int dense(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float *x, int64_t before,
-                 int64_t units, float centre, const Out *o, const int relu, int64_t *nan) {
-    float *ps = malloc(units * sizeof(float) * 4);
-    int32_t *pz = malloc(units * sizeof(int32_t) * 3);
-    if (!ps || !pz) { free(ps); free(pz); return -1; }
-    float *pss = ps + units, *prs = ps + 2 * units, *prss = ps + 3 * units;
-    int32_t *pf = pz + units, *prz = pz + 2 * units;
-    for (int64_t i0 = 0; i0 < before; i0 += ROWS) {
-        int64_t i1 = i0 + ROWS < before ? i0 + ROWS : before;
-        memset(ps, 0, units * sizeof(float) * 4);
-        memset(pz, 0, units * sizeof(int32_t) * 3);
+typedef struct { /* per-unit (or per-column) outputs; the r* (relu(x)) ones are unused without relu */
+    double *sum, *sumsq, *rsum, *rsumsq;
+    float *mn, *mx, *mindev;
+    int64_t *zero, *finite, *rzero;
+} Out;
+
+typedef struct { float *s, *ss, *rs, *rss; int32_t *z, *f, *rz; } Partials; /* float partials, one per column */
+
+typedef struct { const Bins *b; int64_t (*part)[MAX_BINS]; int on; int64_t nan; } Hist;
+
+/* One row into the float partials; restrict parameters let the loop vectorize without runtime
+ * alias checks (too many of them for the relu variant otherwise). */
+INLINE int dense_row(const float *restrict row, int64_t units, float centre, float *restrict ps,
+                     float *restrict pss, float *restrict prs, float *restrict prss, int32_t *restrict pz,
+                     int32_t *restrict pf, int32_t *restrict prz, float *restrict mn, float *restrict mx,
+                     float *restrict mindev, const int relu) {
+    int big = 0;
+    for (int64_t u = 0; u < units; u++) {
+        float v = row[u];
+        int f = is_finite(v);
+        float vf = f ? v : 0.0f;
+        float d = fabsf(v - centre);
+        ps[u] += vf;
+        pss[u] += vf * vf;
+        big |= fabsf(vf) > BIG;
+        mn[u] = (f & (v < mn[u])) ? v : mn[u];
+        mx[u] = (f & (v > mx[u])) ? v : mx[u];
+        mindev[u] = (f & (d < mindev[u])) ? d : mindev[u];
+        pz[u] += v == 0.0f;
+        pf[u] += f;
+        if (relu) {
+            float vp = vf > 0.0f ? vf : 0.0f;
+            prs[u] += vp;
+            prss[u] += vp * vp;
+            prz[u] += f & (v <= 0.0f);
+        }
+    }
+    return big;
+}
+
+/* Dense [rows, units] into per-column outputs: blocks of ROWS rows summed in float, then in
+ * double. `relu` is a constant at each call, so the compiler makes a loop without the relu sums. */
+INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float centre, const Out *o,
+                  const Partials *w, const int relu) {
+    for (int64_t i0 = 0; i0 < rows; i0 += ROWS) {
+        int64_t i1 = i0 + ROWS < rows ? i0 + ROWS : rows;
+        memset(w->s, 0, units * sizeof(float)); memset(w->ss, 0, units * sizeof(float));
+        memset(w->z, 0, units * sizeof(int32_t)); memset(w->f, 0, units * sizeof(int32_t));
+        if (relu) {
+            memset(w->rs, 0, units * sizeof(float)); memset(w->rss, 0, units * sizeof(float));
+            memset(w->rz, 0, units * sizeof(int32_t));
+        }
         int big = 0;
         for (int64_t i = i0; i < i1; i++) {
-            const float *row = x + i * units;
-            for (int64_t u = 0; u < units; u++) {
-                float v = row[u];
-                int f = is_finite(v);
-                float vf = f ? v : 0.0f;
-                float d = fabsf(v - centre);
-                ps[u] += vf;
-                pss[u] += vf * vf;
-                big |= fabsf(vf) > BIG;
-                o->mn[u] = (f & (v < o->mn[u])) ? v : o->mn[u];
-                o->mx[u] = (f & (v > o->mx[u])) ? v : o->mx[u];
-                o->mindev[u] = (f & (d < o->mindev[u])) ? d : o->mindev[u];
-                pz[u] += v == 0.0f;
-                pf[u] += f;
-                if (relu) {
-                    float vp = vf > 0.0f ? vf : 0.0f;
-                    prs[u] += vp;
-                    prss[u] += vp * vp;
-                    prz[u] += f & (v <= 0.0f);
-                }
-            }
-            if (hist) *nan += count_bins(b, part, row, units);
+            big |= dense_row(x + i * units, units, centre, w->s, w->ss, w->rs, w->rss, w->z, w->f, w->rz, o->mn,
+                             o->mx, o->mindev, relu);
+            if (h->on) h->nan += count_bins(h->b, h->part, x + i * units, units);
         }
         for (int64_t u = 0; u < units; u++) {
             if (big) {
@@ -127,106 +160,87 @@ INLINE int dense(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float
                 sums_in_double(x + i0 * units + u, i1 - i0, units, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
                 if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
             } else {
-                o->sum[u] += ps[u]; o->sumsq[u] += pss[u];
-                if (relu) { o->rsum[u] += prs[u]; o->rsumsq[u] += prss[u]; }
+                o->sum[u] += w->s[u]; o->sumsq[u] += w->ss[u];
+                if (relu) { o->rsum[u] += w->rs[u]; o->rsumsq[u] += w->rss[u]; }
             }
-            o->zero[u] += pz[u]; o->finite[u] += pf[u];
-            if (relu) o->rzero[u] += prz[u];
+            o->zero[u] += w->z[u]; o->finite[u] += w->f[u];
+            if (relu) o->rzero[u] += w->rz[u];
         }
     }
-    free(ps); free(pz);
-    return 0;
 }
 
-typedef struct { float s, ss, rs, rss, lo, hi, dev; int32_t z, fin, rz, big; } Acc;
+typedef float v8f __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX2 or SSE2 pairs */
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef struct { v8f s, ss, rs, rss, lo, hi, dev, big; v8i z, f, rz; } Lanes;
 
-#ifdef __SSE2__
-#include <emmintrin.h>
-static float hsum(__m128 v) { float t[4]; _mm_storeu_ps(t, v); return (t[0] + t[1]) + (t[2] + t[3]); }
-static int32_t hsum_i(__m128i v) { int32_t t[4]; _mm_storeu_si128((__m128i *)t, v); return t[0] + t[1] + t[2] + t[3]; }
-static float hmin(__m128 v) { float t[4]; _mm_storeu_ps(t, v); float m = t[0]; for (int i = 1; i < 4; i++) m = t[i] < m ? t[i] : m; return m; }
-static float hmax(__m128 v) { float t[4]; _mm_storeu_ps(t, v); float m = t[0]; for (int i = 1; i < 4; i++) m = t[i] > m ? t[i] : m; return m; }
+#define PICK(m, a, b) ((v8f)(((m) & (v8i)(a)) | (~(m) & (v8i)(b)))) /* lanes of a where m, else of b */
 
-/* The run loop four values at a time (the compiler does not vectorize its masked min/max):
- * non-finite lanes are replaced before every sum, min and max. Returns where the scalar tail starts. */
-INLINE int64_t run_sse2(const float *p, int64_t a0, int64_t a1, float centre, Acc *acc, const int relu) {
-    const __m128i exp = _mm_set1_epi32(0x7f800000), absmask = _mm_set1_epi32(0x7fffffff);
-    const __m128 c4 = _mm_set1_ps(centre), huge = _mm_set1_ps(FLT_MAX), zero = _mm_setzero_ps();
-    __m128 s4 = zero, ss4 = zero, rs4 = zero, rss4 = zero, big4 = zero;
-    __m128 lo4 = _mm_set1_ps(acc->lo), hi4 = _mm_set1_ps(acc->hi), dev4 = _mm_set1_ps(acc->dev);
-    __m128i z4 = _mm_setzero_si128(), f4 = _mm_setzero_si128(), rz4 = _mm_setzero_si128();
-    int64_t a = a0;
-    for (; a + 4 <= a1; a += 4) {
-        __m128 v = _mm_loadu_ps(p + a);
-        __m128i bits = _mm_castps_si128(v);
-        __m128 bad = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(bits, exp), exp)); /* NaN or Inf */
-        __m128 vf = _mm_andnot_ps(bad, v);
-        s4 = _mm_add_ps(s4, vf);
-        ss4 = _mm_add_ps(ss4, _mm_mul_ps(vf, vf));
-        big4 = _mm_max_ps(big4, _mm_and_ps(vf, _mm_castsi128_ps(absmask)));
-        lo4 = _mm_min_ps(lo4, _mm_or_ps(_mm_and_ps(bad, huge), vf));
-        hi4 = _mm_max_ps(hi4, _mm_or_ps(_mm_and_ps(bad, _mm_sub_ps(zero, huge)), vf));
-        __m128 d = _mm_and_ps(_mm_sub_ps(v, c4), _mm_castsi128_ps(absmask));
-        dev4 = _mm_min_ps(dev4, _mm_or_ps(_mm_and_ps(bad, huge), _mm_andnot_ps(bad, d)));
-        z4 = _mm_sub_epi32(z4, _mm_castps_si128(_mm_cmpeq_ps(v, zero)));
-        f4 = _mm_sub_epi32(f4, _mm_xor_si128(_mm_castps_si128(bad), _mm_set1_epi32(-1)));
-        if (relu) {
-            __m128 vp = _mm_max_ps(vf, zero);
-            rs4 = _mm_add_ps(rs4, vp);
-            rss4 = _mm_add_ps(rss4, _mm_mul_ps(vp, vp));
-            rz4 = _mm_sub_epi32(rz4, _mm_castps_si128(_mm_andnot_ps(bad, _mm_cmple_ps(v, zero))));
-        }
+/* Eight values into the lane accumulators; lanes outside `valid` (a run's tail) count as nothing.
+ * Comparisons give -1 per true lane, hence the subtractions. (Pointers, not vector arguments:
+ * the default-target build has no vector registers of this size to pass them in.) */
+INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float centre, const int relu) {
+    v8f v, c = {0};
+    v8i valid = *validp;
+    memcpy(&v, src, sizeof v);
+    c += centre;
+    v8i fin = (((v8i)v & 0x7f800000) != 0x7f800000) & valid;
+    v8f vf = (v8f)((v8i)v & fin), zero = {0};
+    v8f mag = (v8f)((v8i)vf & 0x7fffffff), d = (v8f)((v8i)(v - c) & 0x7fffffff);
+    l->s += vf;
+    l->ss += vf * vf;
+    l->big = PICK(mag > l->big, mag, l->big);
+    l->lo = PICK(fin & (v < l->lo), v, l->lo);
+    l->hi = PICK(fin & (v > l->hi), v, l->hi);
+    l->dev = PICK(fin & (d < l->dev), d, l->dev);
+    l->z -= (v == zero) & valid;
+    l->f -= fin;
+    if (relu) {
+        v8f vp = PICK(vf > zero, vf, zero);
+        l->rs += vp;
+        l->rss += vp * vp;
+        l->rz -= fin & (v <= zero);
     }
-    acc->s += hsum(s4); acc->ss += hsum(ss4); acc->rs += hsum(rs4); acc->rss += hsum(rss4);
-    acc->lo = fminf(acc->lo, hmin(lo4)); acc->hi = fmaxf(acc->hi, hmax(hi4)); acc->dev = fminf(acc->dev, hmin(dev4));
-    acc->big |= hmax(big4) > BIG;
-    acc->z += hsum_i(z4); acc->fin += hsum_i(f4); acc->rz += hsum_i(rz4);
-    return a;
 }
-#endif
 
-/* [before, units, after] with after > 1 (NCHW and the like): runs along `after`. */
-INLINE void runs(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float *x, int64_t before,
-                 int64_t units, int64_t after, float centre, const Out *o, const int relu, int64_t *nan) {
+/* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit):
+ * each unit's contiguous run, RUN values at a time in float lanes, then in double. */
+INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t after, float centre,
+                 const Out *o, const int relu) {
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7}, all = lane >= 0;
     for (int64_t i = 0; i < before; i++) {
         for (int64_t u = 0; u < units; u++) {
             const float *p = x + (i * units + u) * after;
-            Acc acc = {.lo = o->mn[u], .hi = o->mx[u], .dev = o->mindev[u]};
-            for (int64_t a0 = 0; a0 < after; a0 += RUN) { /* float partials per run, then double */
-                int64_t a1 = a0 + RUN < after ? a0 + RUN : after;
-                acc.s = acc.ss = acc.rs = acc.rss = 0;
-                acc.big = 0;
-                int64_t a = a0;
-#ifdef __SSE2__
-                a = run_sse2(p, a0, a1, centre, &acc, relu);
-#endif
-                for (; a < a1; a++) {
-                    float v = p[a];
-                    int f = is_finite(v);
-                    float vf = f ? v : 0.0f, vp = vf > 0.0f ? vf : 0.0f;
-                    float d = fabsf(v - centre);
-                    acc.s += vf; acc.ss += vf * vf;
-                    if (relu) { acc.rs += vp; acc.rss += vp * vp; acc.rz += f & (v <= 0.0f); }
-                    acc.big |= fabsf(vf) > BIG;
-                    acc.lo = (f & (v < acc.lo)) ? v : acc.lo;
-                    acc.hi = (f & (v > acc.hi)) ? v : acc.hi;
-                    acc.dev = (f & (d < acc.dev)) ? d : acc.dev;
-                    acc.z += v == 0.0f;
-                    acc.fin += f;
+            for (int64_t a0 = 0; a0 < after; a0 += RUN) {
+                int64_t n = a0 + RUN < after ? RUN : after - a0, k = 0;
+                Lanes l = {.lo = {0}, .hi = {0}, .dev = {0}};
+                l.lo += o->mn[u]; l.hi += o->mx[u]; l.dev += o->mindev[u];
+                for (; k + 8 <= n; k += 8) lanes_step(&l, p + a0 + k, &all, centre, relu);
+                if (k < n) { /* the tail: a partial vector */
+                    float t[8] = {0};
+                    v8i valid = lane < (int32_t)(n - k);
+                    memcpy(t, p + a0 + k, (n - k) * sizeof(float));
+                    lanes_step(&l, t, &valid, centre, relu);
                 }
-                if (acc.big) {
+                int big = 0;
+                for (int j = 0; j < 8; j++) {
+                    o->mn[u] = fminf(o->mn[u], l.lo[j]); o->mx[u] = fmaxf(o->mx[u], l.hi[j]);
+                    o->mindev[u] = fminf(o->mindev[u], l.dev[j]);
+                    o->zero[u] += l.z[j]; o->finite[u] += l.f[j];
+                    big |= l.big[j] > BIG;
+                    if (relu) o->rzero[u] += l.rz[j];
+                }
+                if (big) {
                     double r0 = 0, r1 = 0;
-                    sums_in_double(p + a0, a1 - a0, 1, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
+                    sums_in_double(p + a0, n, 1, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
                     if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
-                } else {
-                    o->sum[u] += acc.s; o->sumsq[u] += acc.ss;
-                    if (relu) { o->rsum[u] += acc.rs; o->rsumsq[u] += acc.rss; }
+                    continue;
+                }
+                for (int j = 0; j < 8; j++) {
+                    o->sum[u] += l.s[j]; o->sumsq[u] += l.ss[j];
+                    if (relu) { o->rsum[u] += l.rs[j]; o->rsumsq[u] += l.rss[j]; }
                 }
             }
-            o->zero[u] += acc.z; o->finite[u] += acc.fin;
-            if (relu) o->rzero[u] += acc.rz;
-            o->mn[u] = acc.lo; o->mx[u] = acc.hi; o->mindev[u] = acc.dev;
-            if (hist) *nan += count_bins(b, part, p, after);
+            if (h->on) h->nan += count_bins(h->b, h->part, p, after);
         }
     }
 }
@@ -234,7 +248,11 @@ INLINE void runs(const Bins *b, int64_t (*part)[MAX_BINS], int hist, const float
 /* Outputs are per unit, initialized by the caller: sums 0, min +inf, max -inf, mindev +inf.
  * Non-finite values are kept out of every statistic (branch-free, so the loops vectorize);
  * nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count. rsum, rsumsq and rzero (the sums
- * of relu(x) over finite values, and how many finite values are <= 0) are filled when not NULL. */
+ * of relu(x) over finite values, and how many finite values are <= 0) are filled when not NULL.
+ * Built for AVX2 and for plain x86-64 where the compiler can, the loader picking what the CPU runs. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t after, float centre,
                        const int16_t *key_bin, int shift, const double *edges, int n_edges, int zero_bin,
                        int n_bins, double *sum, double *sumsq, float *mn, float *mx, float *mindev,
@@ -242,19 +260,23 @@ int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t af
                        double *rsumsq, int64_t *rzero) {
     Bins b = {key_bin, shift, edges, n_edges, zero_bin, n_bins};
     Out o = {sum, sumsq, rsum, rsumsq, mn, mx, mindev, zero, finite, rzero};
-    int64_t nan = 0;
     int64_t part[4][MAX_BINS];
     memset(part, 0, sizeof part);
-    int h = hist != NULL;
+    Hist h = {&b, part, hist != NULL, 0};
     if (after == 1) {
-        int err = rsum ? dense(&b, part, h, x, before, units, centre, &o, 1, &nan)
-                       : dense(&b, part, h, x, before, units, centre, &o, 0, &nan);
-        if (err) return err;
+        float *pf = malloc(units * sizeof(float) * 4);
+        int32_t *pi = malloc(units * sizeof(int32_t) * 3);
+        if (!pf || !pi) { free(pf); free(pi); return -1; }
+        Partials w = {pf, pf + units, pf + 2 * units, pf + 3 * units, pi, pi + units, pi + 2 * units};
+        if (rsum) dense(&h, x, before, units, centre, &o, &w, 1);
+        else dense(&h, x, before, units, centre, &o, &w, 0);
+        free(pf); free(pi);
     } else if (rsum) {
-        runs(&b, part, h, x, before, units, after, centre, &o, 1, &nan);
+        runs(&h, x, before, units, after, centre, &o, 1);
     } else {
-        runs(&b, part, h, x, before, units, after, centre, &o, 0, &nan);
+        runs(&h, x, before, units, after, centre, &o, 0);
     }
+    int64_t nan = h.nan;
     if (hist)
         for (int k = 0; k < n_bins; k++) hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];
     int64_t total = before * units * after, fin_total = 0;

@@ -47,6 +47,7 @@ _fn = _load()
 available = _fn is not None
 _TABLE = _key_table() if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
+_TABLES = (_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) if available else ()
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:
@@ -55,18 +56,20 @@ def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = Fals
     `relu`, also the per-unit sums and sums of squares of relu(x) and how many finite values are <= 0
     (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values."""
     before, units, after = x3.shape
-    out = {"sum": np.zeros(units), "sumsq": np.zeros(units), "min": np.full(units, np.inf, np.float32),
-           "max": np.full(units, -np.inf, np.float32), "min_dev": np.full(units, np.inf, np.float32),
-           "zero": np.zeros(units, np.int64), "finite": np.zeros(units, np.int64),
-           "hist": np.zeros(bins.N_BINS, np.int64) if histogram else None, "nan_inf": np.zeros(2, np.int64),
-           "relu_sum": np.zeros(units) if relu else None, "relu_sumsq": np.zeros(units) if relu else None,
-           "relu_zero": np.zeros(units, np.int64) if relu else None}
-    ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
-    _fn(x3.ctypes.data, before, units, after, centre, _TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES),
-        bins.ZERO_BIN, bins.N_BINS, *(ptr(out[k]) for k in ("sum", "sumsq", "min", "max", "min_dev", "zero",
-                                                              "finite", "hist", "nan_inf", "relu_sum",
-                                                              "relu_sumsq", "relu_zero")))
-    empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
-    for k in ("min", "max", "min_dev"):
-        out[k][empty] = np.nan
+    # three buffers for every output (a ctypes pointer costs a microsecond; small tensors feel it)
+    f64 = np.zeros((4, units))
+    f32 = np.full((3, units), np.inf, np.float32)
+    f32[1] = -np.inf
+    i64 = np.zeros(3 * units + bins.N_BINS + 2, np.int64)
+    d, f, i = f64.ctypes.data, f32.ctypes.data, i64.ctypes.data
+    hist = i + 24 * units
+    _fn(x3.ctypes.data, before, units, after, centre, *_TABLES, d, d + 8 * units, f, f + 4 * units, f + 8 * units,
+        i, i + 8 * units, hist if histogram else None, hist + 8 * bins.N_BINS, d + 16 * units if relu else None,
+        d + 24 * units if relu else None, i + 16 * units if relu else None)
+    out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
+           "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
+           "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
+           "relu_zero": i64[2 * units: 3 * units] if relu else None}
+    if not out["finite"].all():  # spec: a unit with no finite value has NaN extremes
+        f32[:, out["finite"] == 0] = np.nan
     return out

@@ -4,7 +4,9 @@
 tensors are reduced with torch kernels on their device. `settle` finishes a batch of readings
 before their tensors are freed: the fused kernel on two threads (ctypes releases the GIL), then
 one host sync to find the rare torch-path reading with a NaN or Inf, counted again exactly.
-`to_readings` moves the numbers to the host in one transfer. Values agree with
+A tensor changed in place after it was queued (its version counter moved) is reported stale, not
+read. A ReLU reading of a queued float32 tensor can be derived from that tensor's pass
+(`derive_relu`). `to_readings` moves the numbers to the host in one transfer. Values agree with
 `actrace.reduce.reduce_array` (the tests check).
 """
 from __future__ import annotations
@@ -44,6 +46,16 @@ class Pending:
     source: torch.Tensor | None = None        # until `settle`: for the rare exact non-finite re-count
     hist_source: torch.Tensor | None = None   # until `settle`: a CPU tensor whose histogram is due
     fused: tuple | None = None                # until `settle`: a CPU float32 tensor for the fused kernel
+    watch: torch.Tensor | None = None         # until `settle`: the tensor read, whose version must not move
+    version: int | None = None                # its version counter when read (None: it has none)
+    derive: bool = False                      # the fused pass also gives relu(x)'s statistics...
+    relu_stats: dict | None = None            # ...here, when x had no NaN or Inf
+    derived_from: "Pending | None" = None     # a ReLU reading whose statistics that pass gives
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether this unsettled reading's tensor shares memory with `x`."""
+        return self.watch is not None and \
+            self.watch.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
@@ -68,6 +80,25 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if buf is None or buf.numel() < x.numel():
         buf = scratch[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return buf[: x.numel()].view(x.shape)
+
+
+def tensor_version(x: torch.Tensor) -> int | None:
+    """The version counter in-place operations bump; None for inference tensors, which have none."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
+def derive_relu(source: Pending, x: torch.Tensor) -> bool:
+    """Ask `source`'s fused pass for relu(x)'s statistics too, if `x` (a ReLU's input) is exactly
+    the tensor it read and that pass is still to come."""
+    w = source.watch
+    same = source.fused is not None and w is not None and w.data_ptr() == x.data_ptr() \
+        and w.shape == x.shape and w.stride() == x.stride() and w.dtype == x.dtype \
+        and source.version is not None and tensor_version(x) == source.version
+    source.derive = source.derive or same
+    return same
 
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
@@ -101,22 +132,26 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     dims = [d for d in range(x.ndim) if d != axis]
     zero = torch.zeros((), dtype=torch.int64, device=x.device)
     common = {"shape0": torch.tensor(shape[0] if shape else 1, device=x.device), "nan": zero, "inf": zero}
-    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, source=x)
+    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, source=x,
+                      watch=x, version=tensor_version(x))
+    c = centre(bounds)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
+        # one fused pass per tensor in `settle`, two at a time once the forward is over: beside it,
+        # the kernel threads would fight torch's spinning OpenMP threads (measured: slower)
+        if per_unit and unit_axis is not None:
+            view = x.contiguous().view(int(np.prod(shape[:axis])), shape[axis], -1)
+        else:
+            view = x.contiguous().view(1, 1, -1)
+        pending.fused = (view, c, histogram and per_unit)
+        pending.source = None
+        pending.stats = common
+        return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
         flat = x.reshape(-1)
         lo, hi = torch.aminmax(flat)
         pending.stats = {"unit_sum": flat.sum(), "unit_sumsq": torch.dot(flat, flat), "unit_min": lo,
                          "unit_max": hi, "unit_zero": flat.numel() - torch.count_nonzero(flat),
                          "unit_count": torch.tensor(flat.numel(), device=x.device), **common}
-        return pending
-    c = centre(bounds)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
-        # one fused pass per tensor in `settle`, two at a time once the forward is over: beside it,
-        # the kernel threads would fight torch's spinning OpenMP threads (measured: slower)
-        before = 1 if unit_axis is None else int(np.prod(shape[:axis]))
-        pending.fused = (x.contiguous(), before, c, histogram)
-        pending.source = None
-        pending.stats = common
         return pending
     # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
     work = scratch_like(x, x.dtype)
@@ -145,16 +180,28 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
 
 
-def _fused(p: Pending) -> dict:
-    """The fused kernel's statistics of a CPU float32 tensor, as the stats of a pending reading."""
-    x, before, c, histogram = p.fused
-    st = kernel.reduce_f32(x.numpy().reshape(before, _units(p), -1), c, histogram)
+def _fused(p: Pending) -> None:
+    """Run the fused kernel on a CPU float32 tensor: the reading's statistics, and with `derive`
+    those of relu(x) (min, max and min |h| of relu(x) follow from x's; NaN bins nowhere, values
+    <= 0 and -inf go to zero's bin)."""
+    x3, c, histogram = p.fused
+    st = kernel.reduce_f32(x3.numpy(), c, histogram, relu=p.derive)
     out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
            "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
            "nan": st["nan_inf"][0], "inf": st["nan_inf"][1]}
     if histogram:
         out["hist"] = st["hist"]
-    return {k: torch.as_tensor(v) for k, v in out.items()}
+    p.stats.update({k: torch.as_tensor(v) for k, v in out.items()})
+    if p.derive and not st["nan_inf"].any():
+        lo = np.maximum(st["min"], 0)
+        relu = {**out, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
+                "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
+        if histogram:
+            hist = relu["hist"] = st["hist"].copy()
+            hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
+            hist[: bins.ZERO_BIN] = 0
+        p.relu_stats = {k: torch.as_tensor(v) for k, v in relu.items()}
+    p.fused = None
 
 
 def _units(p: Pending) -> int:
@@ -191,14 +238,29 @@ def _exact(p: Pending) -> dict:
     return out
 
 
-def settle(pending: list[Pending]) -> None:
-    """Finish readings whose tensors are about to be freed: histograms of CPU tensors on two
-    threads, then one host sync for the whole batch to find readings with a NaN or Inf (a
-    non-finite sum of squares), which are re-counted exactly. Drops the tensor references."""
-    fused = [p for p in pending if p.fused is not None]
-    for p, stats in zip(fused, _pool.map(_fused, fused)):
-        p.stats.update(stats)
-        p.fused = None
+def _stale(p: Pending) -> bool:
+    return p.watch is not None and p.version is not None and tensor_version(p.watch) != p.version
+
+
+def settle(pending: list[Pending]) -> list[Pending]:
+    """Finish readings whose tensors are about to be freed: fused passes and histograms of CPU
+    tensors on two threads (ReLU readings derived from their input's pass where they can be), then
+    one host sync for the whole batch to find readings with a NaN or Inf (a non-finite sum of
+    squares), which are re-counted exactly. Drops the tensor references. Returns the readings
+    whose tensor was changed in place since it was queued: they are not read."""
+    stale = [p for p in pending if p.derived_from is None and _stale(p)]
+    for p in stale:
+        p.fused = p.hist_source = None
+    list(_pool.map(_fused, [p for p in pending if p.fused is not None and p.derived_from is None]))
+    for p in pending:
+        if p.fused is not None and p.derived_from is not None and p.derived_from.relu_stats is not None:
+            p.stats.update(p.derived_from.relu_stats)
+            p.fused = None
+        p.derived_from = None
+    stale += [p for p in pending if p.fused is not None and _stale(p)]
+    for p in stale:
+        p.fused = p.hist_source = p.source = None
+    list(_pool.map(_fused, [p for p in pending if p.fused is not None]))  # derivations that could not be
     due = [p for p in pending if p.hist_source is not None]
     for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
         p.stats["hist"] = hist
@@ -209,14 +271,16 @@ def settle(pending: list[Pending]) -> None:
             if not ok:
                 p.stats = _exact(p)
     for p in pending:
-        p.source = p.hist_source = None
+        p.source = p.hist_source = p.watch = None
+    return stale
 
 
 def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
-    settle(pending)
+    if settle(pending):
+        raise RuntimeError("actrace: a tensor was changed in place before its reading was settled")
     if all(v.device.type == "cpu" for p in pending for v in p.stats.values()):  # no transfer to batch
         return [_finish(p, {k: v.numpy().reshape(-1).astype(np.float64) for k, v in p.stats.items()})
                 for p in pending]

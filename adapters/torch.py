@@ -4,9 +4,12 @@ Probe readings run the fixed probe batch in eval mode under `no_grad` (the model
 restored afterwards) and read every selected module's output through forward hooks; gradient
 readings read `.grad` of every parameter after `backward()`. CPU float32 outputs are reduced by
 the core's fused kernel once the forward is over; other tensors by torch kernels on their device,
-with results moved to the host once per reading. Functional activations (`F.relu` inside
-`nn.TransformerEncoderLayer`) are read as the input of the module that consumes them
-(`linear2`), which in eval mode is exactly the activation's output.
+with results moved to the host once per reading. A `nn.ReLU` whose input is a recorded tensor gets
+its reading from that tensor's pass. A tensor about to be overwritten by an in-place module
+(`ReLU(inplace=True)`) is read first; one changed in place by other code (`out += identity`) is
+detected by its version counter, and the chunk is run again with that layer read at once.
+Functional activations (`F.relu` inside `nn.TransformerEncoderLayer`) are read as the input of
+the module that consumes them (`linear2`), which in eval mode is exactly the activation's output.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch import nn
 import actrace
 from actrace.fingerprint import fingerprint
 
-from ._torch_reduce import Pending, all_reduce, reduce_tensor, settle, to_readings
+from ._torch_reduce import Pending, all_reduce, derive_relu, reduce_tensor, settle, to_readings
 
 ACTIVATION_KINDS: list[tuple[type, str]] = [
     (nn.ReLU6, "relu6"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.PReLU, "prelu"),
@@ -126,6 +129,10 @@ class Monitor:
         self.layers = self._select(include, exclude, types)
         self.layer_index: dict[str, int] = {}
         self._pending: list[Pending] = []
+        self._stale: list[Pending] = []
+        self._eager: set[str] = set()  # layers whose output is changed in place after their hook
+        self._derive: dict[nn.Module, Pending] = {}
+        self._relus = {m for m, kind in self.layers.values() if kind == "relu"}
         self._calls: dict[str, int] = {}
         self._reading = False
         self._held = 0
@@ -138,6 +145,8 @@ class Monitor:
                          if kind != "functional"]
         self._handles += [m.register_forward_pre_hook(self._functional_hook(name, kind))
                           for name, (m, kind) in self._functional_layers().items()]
+        self._handles += [m.register_forward_pre_hook(self._before) for m in self.inner.modules()
+                          if m in self._relus or getattr(m, "inplace", False) is True]
         self.closed = False
 
     # -- selection -------------------------------------------------------------------------
@@ -190,11 +199,16 @@ class Monitor:
             self.layer_index.setdefault(layer, len(self.layer_index))
             axis = self._unit_axis(name, module, t)
             if self._reading:
-                self._pending.append(reduce_tensor(t, axis, kind, layer=layer, bounds=_bounds(module, kind),
-                                                   histogram=self.histogram))
+                p = reduce_tensor(t, axis, kind, layer=layer, bounds=_bounds(module, kind), histogram=self.histogram)
+                src = self._derive.pop(module, None)
+                if src is not None and src.shape == p.shape and src.unit_axis == p.unit_axis:
+                    p.derived_from = src
+                self._pending.append(p)
                 self._held += t.numel() * t.element_size()
-                if self._held > HELD_BYTES:  # settling frees the activations it holds for the histograms
-                    settle(self._pending)
+                if layer in self._eager or p.version is None:
+                    self._settle([p])
+                elif self._held > HELD_BYTES:  # settling frees the activations it holds
+                    self._settle(self._pending)
                     self._held = 0
             elif self.activation_grads and t.requires_grad and self._steps_seen % self.grad_every == 0:
                 t.register_hook(self._grad_hook(layer, kind, axis, _bounds(module, kind)))
@@ -209,6 +223,20 @@ class Monitor:
                 self._record_output(name, module, kind, output)
         return hook
 
+    def _before(self, module, inputs):
+        """Before a recorded ReLU or an in-place module runs: let the pass over a recorded input give
+        the ReLU's reading too, and read any recorded tensor the module is about to overwrite."""
+        if not self._reading or not inputs or not isinstance(inputs[0], torch.Tensor):
+            return
+        x = inputs[0]
+        if module in self._relus:
+            self._derive[module] = next((p for p in reversed(self._pending[-4:]) if derive_relu(p, x)), None)
+        if getattr(module, "inplace", False) is True:
+            self._settle([p for p in self._pending if p.holds(x)])
+
+    def _settle(self, pending: list[Pending]) -> None:
+        self._stale += settle(pending)
+
     def _functional_hook(self, name: str, kind: str):
         def hook(module, inputs):
             if self._reading or self.activation_grads:
@@ -216,9 +244,11 @@ class Monitor:
         return hook
 
     def _grad_hook(self, layer, kind, axis, bounds):
-        def hook(grad):
-            self._grad_pending.append(reduce_tensor(grad, axis, kind, layer=layer, stream="activation_grad",
-                                                    bounds=bounds, histogram=self.histogram))
+        def hook(grad):  # read at once: the backward may reuse the gradient's memory
+            p = reduce_tensor(grad, axis, kind, layer=layer, stream="activation_grad", bounds=bounds,
+                              histogram=self.histogram)
+            settle([p])
+            self._grad_pending.append(p)
         return hook
 
     # -- readings --------------------------------------------------------------------------
@@ -254,9 +284,10 @@ class Monitor:
         try:
             with torch.no_grad():
                 for chunk in self._chunks():
-                    self._reading, self._calls, self._pending, self._held = True, {}, [], 0
-                    self._call(chunk)
-                    settle(self._pending)  # before this chunk's activations are freed
+                    self._forward(chunk)
+                    if self._stale:  # changed in place after their hook: read those layers at once
+                        self._eager.update(p.layer for p in self._stale)
+                        self._forward(chunk)
                     for p in self._pending:
                         if p.layer in merged:
                             merged[p.layer].merge(p)
@@ -270,6 +301,13 @@ class Monitor:
         if self.world > 1:
             all_reduce(pending)
         return self._write(step, to_readings(pending))
+
+    def _forward(self, chunk: dict) -> None:
+        self._reading, self._calls, self._pending, self._held, self._stale, self._derive = True, {}, [], 0, [], {}
+        self._call(chunk)
+        self._settle(self._pending)  # before this chunk's activations are freed
+        if self._stale and self._eager.issuperset(p.layer for p in self._stale):
+            raise RuntimeError(f"actrace: {self._stale[0].layer!r} was changed in place before it could be read")
 
     def _parameters(self):
         for name, (module, kind) in self.layers.items():

@@ -9,7 +9,7 @@ transformer encoder, d=256, on 32×128 tokens), side by side in one run:
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step.
-Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N]
+Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer]
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=[m.split()[0] for m in MODELS], help="default: all three")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -95,6 +96,8 @@ def main() -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     for name, build in MODELS.items():
+        if args.models and name.split()[0] not in args.models:
+            continue
         model, probe, loss_fn = build()
         model, probe = model.to(dev), probe.to(dev)
         model.eval()

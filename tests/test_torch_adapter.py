@@ -137,6 +137,64 @@ def test_chunked_probe_equals_the_whole_probe(tmp_path):
     assert conv["unit_axis"] == 1 and conv["units"] == 8  # NCHW: channels are the units
 
 
+def assert_reads(row: dict, t: torch.Tensor, kind: str) -> None:
+    """A trace row holds exactly the numpy reference's reading of tensor `t` (units on the last axis)."""
+    want = reduce_array(t.detach().numpy(), t.ndim - 1, kind, layer=row["layer"])
+    assert (row["nan_count"], row["inf_count"], row["zero_count"]) == (want.nan_count, want.inf_count, want.zero_count)
+    assert row["hist"] == want.hist.tolist() and row["unit_zero"] == want.unit_zero.tolist()
+    for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev"):
+        np.testing.assert_allclose(row[name], getattr(want, name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_a_relu_read_from_its_inputs_pass_and_in_place_relus_read_what_they_overwrite(tmp_path, inplace, nonfinite):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=inplace), nn.Linear(32, 24), nn.ReLU(inplace=inplace))
+    probe = torch.randn(64, 16)
+    if nonfinite:  # ±inf and NaN before the ReLU; relu(-inf) is 0: these ReLUs take their own pass
+        probe[0, 0], probe[1, :] = float("inf"), float("nan")
+    rows = actrace.read_table(record_once(model, probe, tmp_path / "t.parquet")).to_pylist()
+    with torch.no_grad():
+        h0 = model[0](probe)
+        h1 = torch.relu(h0)
+        h2 = model[2](h1)
+    assert [r["layer"] for r in rows] == ["0", "1", "2", "3"]
+    for row, t, kind in zip(rows, (h0, h1, h2, torch.relu(h2)), ("linear", "relu", "linear", "relu")):
+        assert_reads(row, t, kind)
+    assert (rows[0]["inf_count"] > 0) == nonfinite and rows[1]["min"] == 0
+
+
+class Residual(nn.Module):
+    """`out += x` changes the recorded output of `fc` after its hook ran (as in ResNet blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x
+        return self.act(out)
+
+
+def test_an_output_changed_in_place_after_its_hook_is_read_as_the_layer_gave_it(tmp_path):
+    torch.manual_seed(0)
+    model, probe = Residual(), torch.randn(32, 8)
+    path = tmp_path / "t.parquet"
+    with Monitor(model, probe, path) as mon:
+        mon.probe_reading(0)
+        mon.probe_reading(1)  # the layer is now read at once, in its hook
+        assert mon._eager == {"fc"}
+    rows = actrace.read_table(path).to_pylist()
+    with torch.no_grad():
+        fc = model.fc(probe)
+    for step in (0, 1):
+        by_layer = {r["layer"]: r for r in rows if r["step"] == step}
+        assert_reads(by_layer["fc"], fc, "linear")
+        assert_reads(by_layer["act"], torch.relu(fc + probe), "relu")
+
+
 class Head(nn.Module):
     """A parameterized module whose output is a dict with a float and an integer field."""
 
