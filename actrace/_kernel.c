@@ -46,11 +46,13 @@ static inline int is_finite(float v) {
     return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-/* A value's bin from the key table; -1 where it must take the exact path. */
+/* A value's bin from the key table; -1 where it must take the exact path (keys that straddle an
+ * edge, NaN, and the subnormals that share a key with ±0: 0 < |bits| < 2^shift). No branch:
+ * zeros and other values mix at random in a ReLU's output. */
 INLINE int fast_bin(const Bins *b, uint32_t bits) {
     int bin = b->key_bin[bits >> b->shift];
-    int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0); /* & not &&: no branch */
-    return subnormal ? -1 : bin;
+    int tiny = (bits & 0x7fffffffu) - 1u < (1u << b->shift) - 1u;
+    return bin | -tiny;
 }
 
 /* Count one value whose fast bin is `bin` (-1: the exact path); returns 1 for a NaN. */
@@ -62,8 +64,7 @@ INLINE int count_one(const Bins *b, int64_t *part, float v, int bin) {
 }
 
 /* Histogram of n contiguous values; returns how many were NaN. The table maps zero's keys to the
- * zero bin, so the common path has no data-dependent branch; subnormals (which share zero's keys),
- * keys that straddle an edge, and NaN/Inf take the exact path. Four copies of the histogram, one
+ * zero bin, so the common path has no data-dependent branch. Four copies of the histogram, one
  * per value of a group of four, keep runs of equal values (zeros of a ReLU) from waiting on each
  * other's stores. */
 static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
