@@ -246,48 +246,65 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
     }
 }
 
-/* Outputs are per unit, initialized by the caller: sums 0, min +inf, max -inf, mindev +inf.
- * Non-finite values are kept out of every statistic (branch-free, so the loops vectorize);
- * nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count. rsum, rsumsq and rzero (the sums
- * of relu(x) over finite values, and how many finite values are <= 0) are filled when not NULL.
- * Built for AVX2 and for plain x86-64 where the compiler can, the loader picking what the CPU runs. */
+typedef struct { /* one tensor's reduction; outputs per unit, initialized by the caller */
+    const float *x;
+    int64_t before, units, after;
+    float centre;
+    int status;                           /* 0 done, -1 out of memory */
+    double *sum, *sumsq, *rsum, *rsumsq;  /* rsum, rsumsq, rzero: NULL unless relu(x) is asked for */
+    float *mn, *mx, *mindev;              /* +inf, -inf, +inf */
+    int64_t *zero, *finite, *rzero, *hist, *nan_inf; /* hist: NULL for none */
+} Job;
+
+typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
+
+/* One job. Non-finite values are kept out of every statistic (branch-free, so the loops
+ * vectorize); nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count; rsum, rsumsq and rzero
+ * are the sums of relu(x) over finite values and how many finite values are <= 0. Built for AVX2
+ * and for plain x86-64 where the compiler can, the loader picking what the CPU runs. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-int actrace_reduce_f32(const float *x, int64_t before, int64_t units, int64_t after, float centre,
-                       const int16_t *key_bin, int shift, const double *edges, int n_edges, int zero_bin,
-                       int n_bins, double *sum, double *sumsq, float *mn, float *mx, float *mindev,
-                       int64_t *zero, int64_t *finite, int64_t *hist, int64_t *nan_inf, double *rsum,
-                       double *rsumsq, int64_t *rzero) {
-    Bins b = {key_bin, shift, edges, n_edges, zero_bin, n_bins};
-    Out o = {sum, sumsq, rsum, rsumsq, mn, mx, mindev, zero, finite, rzero};
+static void reduce_job(const Bins *b, Job *j) {
+    Out o = {j->sum, j->sumsq, j->rsum, j->rsumsq, j->mn, j->mx, j->mindev, j->zero, j->finite, j->rzero};
     int64_t part[4][MAX_BINS];
     memset(part, 0, sizeof part);
-    Hist h = {&b, part, hist != NULL, 0};
-    if (after == 1) {
+    Hist h = {b, part, j->hist != NULL, 0};
+    int64_t units = j->units, total = j->before * units * j->after, fin_total = 0, nan;
+    if (j->after == 1) {
         float *pf = malloc(units * sizeof(float) * 4);
         int32_t *pi = malloc(units * sizeof(int32_t) * 3);
-        if (!pf || !pi) { free(pf); free(pi); return -1; }
+        if (!pf || !pi) { free(pf); free(pi); j->status = -1; return; }
         Partials w = {pf, pf + units, pf + 2 * units, pf + 3 * units, pi, pi + units, pi + 2 * units};
-        if (rsum) dense(&h, x, before, units, centre, &o, &w, 1);
-        else dense(&h, x, before, units, centre, &o, &w, 0);
+        if (j->rsum) dense(&h, j->x, j->before, units, j->centre, &o, &w, 1);
+        else dense(&h, j->x, j->before, units, j->centre, &o, &w, 0);
         free(pf); free(pi);
-    } else if (rsum) {
-        runs(&h, x, before, units, after, centre, &o, 1);
+    } else if (j->rsum) {
+        runs(&h, j->x, j->before, units, j->after, j->centre, &o, 1);
     } else {
-        runs(&h, x, before, units, after, centre, &o, 0);
+        runs(&h, j->x, j->before, units, j->after, j->centre, &o, 0);
     }
-    int64_t nan = h.nan;
-    if (hist)
-        for (int k = 0; k < n_bins; k++) hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];
-    int64_t total = before * units * after, fin_total = 0;
-    for (int64_t u = 0; u < units; u++) fin_total += finite[u];
-    if (!hist) { /* NaN and Inf apart need a look at the non-finite values */
-        for (int64_t k = 0; k < total && fin_total + nan < total; k++) nan += isnan(x[k]);
+    nan = h.nan;
+    if (j->hist)
+        for (int k = 0; k < b->n_bins; k++) j->hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];
+    for (int64_t u = 0; u < units; u++) fin_total += j->finite[u];
+    if (!j->hist) { /* NaN and Inf apart need a look at the non-finite values */
+        for (int64_t k = 0; k < total && fin_total + nan < total; k++) nan += isnan(j->x[k]);
     }
-    nan_inf[0] = nan;
-    nan_inf[1] = total - fin_total - nan;
-    return 0;
+    j->nan_inf[0] = nan;
+    j->nan_inf[1] = total - fin_total - nan;
+    j->status = 0;
+}
+
+/* Take jobs until none is left. Any number of threads may run it on one batch at once: a
+ * framework's OpenMP team (through GOMP_parallel, whose signature this has) or Python threads. */
+void actrace_run_batch(void *data) {
+    Batch *batch = data;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&batch->next, 1, __ATOMIC_RELAXED);
+        if (i >= batch->n) return;
+        reduce_job(&batch->bins, &batch->jobs[i]);
+    }
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel", "actrace's fused reduction kernel", -1, NULL};

@@ -1,12 +1,17 @@
 """The fused float32 reduction kernel (actrace/_kernel.c) through ctypes, with its lookup table.
 
-Optional: where the compiled module is missing, `available` is False and `actrace.reduce` uses
-its numpy path, which gives the same numbers (the tests hold the two to each other).
+`reduce_many` runs a batch of tensors on every thread at once: on the OpenMP team of a framework
+already in the process (PyTorch's libgomp, whose idle threads would otherwise spin beside ours),
+else on two Python threads (ctypes releases the GIL). Optional: where the compiled module is
+missing, `available` is False and `actrace.reduce` uses its numpy path, which gives the same
+numbers (the tests hold the two to each other).
 """
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -15,16 +20,41 @@ from . import bins
 SHIFT = 14  # key = float32 bits >> SHIFT: 2^18 keys, a 512 KiB table of bins
 
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Bins(ctypes.Structure):
+    _fields_ = [("key_bin", _P), ("shift", ctypes.c_int), ("edges", _P), ("n_edges", ctypes.c_int),
+                ("zero_bin", ctypes.c_int), ("n_bins", ctypes.c_int)]
+
+
+class _Job(ctypes.Structure):  # Job in _kernel.c
+    _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float),
+                ("status", ctypes.c_int)] + [(name, _P) for name in (
+                    "sum", "sumsq", "rsum", "rsumsq", "mn", "mx", "mindev", "zero", "finite", "rzero", "hist", "nan_inf")]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("bins", _Bins), ("jobs", _P), ("n", _I64), ("next", _I64)]
+
+
 def _load():
     spec = importlib.util.find_spec("actrace._kernel")
     if spec is None or not spec.origin:
         return None
-    lib = ctypes.CDLL(spec.origin)
-    fn = lib.actrace_reduce_f32
-    ptr = ctypes.c_void_p
-    fn.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ptr, ctypes.c_int, ptr,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ptr] * 12
-    fn.restype = ctypes.c_int
+    fn = ctypes.CDLL(spec.origin).actrace_run_batch
+    fn.argtypes, fn.restype = [_P], None
+    return fn
+
+
+def _openmp():
+    """GOMP_parallel of the libgomp already loaded in this process (PyTorch's), or None: never
+    loads one itself."""
+    try:
+        fn = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [_P, _P, ctypes.c_uint, ctypes.c_uint], None
     return fn
 
 
@@ -43,11 +73,59 @@ def _key_table() -> np.ndarray:
     return table
 
 
-_fn = _load()
-available = _fn is not None
+_run = _load()
+available = _run is not None
 _TABLE = _key_table() if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
-_TABLES = (_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) if available else ()
+_BINS = _Bins(_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
+    if available else None
+_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actrace-kernel")
+_gomp: list = []  # [GOMP_parallel or None], looked up at the first batch (PyTorch is loaded by then)
+
+
+def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool) -> tuple[_Job, dict]:
+    """A job for the kernel with its output arrays (three buffers: a ctypes pointer costs a microsecond)."""
+    before, units, after = x3.shape
+    f64 = np.zeros((4, units))
+    f32 = np.full((3, units), np.inf, np.float32)
+    f32[1] = -np.inf
+    i64 = np.zeros(3 * units + bins.N_BINS + 2, np.int64)
+    d, f, i = f64.ctypes.data, f32.ctypes.data, i64.ctypes.data
+    hist = i + 24 * units
+    job = _Job(x3.ctypes.data, before, units, after, centre, 0, d, d + 8 * units, d + 16 * units if relu else None,
+               d + 24 * units if relu else None, f, f + 4 * units, f + 8 * units, i, i + 8 * units,
+               i + 16 * units if relu else None, hist if histogram else None, hist + 8 * bins.N_BINS)
+    out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
+           "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
+           "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
+           "relu_zero": i64[2 * units: 3 * units] if relu else None, "_keep": (x3, f32)}
+    return job, out
+
+
+def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
+    """`reduce_f32` of every (x3, centre, histogram, relu) task, the tasks shared among all threads."""
+    made = [_job(*t) for t in tasks]
+    jobs = (_Job * len(made))(*(j for j, _ in made))
+    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(made), 0))
+    if len(made) > 1 and not _gomp:
+        _gomp.append(_openmp())
+    if len(made) == 1:
+        _run(batch)
+    elif _gomp[0] is not None:
+        _gomp[0](ctypes.cast(_run, _P), batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
+    else:
+        helper = _pool.submit(_run, batch)
+        _run(batch)
+        helper.result()
+    results = []
+    for job, (_, out) in zip(jobs, made):
+        if job.status:
+            raise MemoryError("actrace kernel: out of memory for its partial sums")
+        f32 = out.pop("_keep")[1]
+        if not out["finite"].all():  # spec: a unit with no finite value has NaN extremes
+            f32[:, out["finite"] == 0] = np.nan
+        results.append(out)
+    return results
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:
@@ -55,21 +133,4 @@ def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = Fals
     histogram, and NaN/Inf totals of a C-contiguous float32 (before, units, after) array; with
     `relu`, also the per-unit sums and sums of squares of relu(x) and how many finite values are <= 0
     (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values."""
-    before, units, after = x3.shape
-    # three buffers for every output (a ctypes pointer costs a microsecond; small tensors feel it)
-    f64 = np.zeros((4, units))
-    f32 = np.full((3, units), np.inf, np.float32)
-    f32[1] = -np.inf
-    i64 = np.zeros(3 * units + bins.N_BINS + 2, np.int64)
-    d, f, i = f64.ctypes.data, f32.ctypes.data, i64.ctypes.data
-    hist = i + 24 * units
-    _fn(x3.ctypes.data, before, units, after, centre, *_TABLES, d, d + 8 * units, f, f + 4 * units, f + 8 * units,
-        i, i + 8 * units, hist if histogram else None, hist + 8 * bins.N_BINS, d + 16 * units if relu else None,
-        d + 24 * units if relu else None, i + 16 * units if relu else None)
-    out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
-           "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
-           "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
-           "relu_zero": i64[2 * units: 3 * units] if relu else None}
-    if not out["finite"].all():  # spec: a unit with no finite value has NaN extremes
-        f32[:, out["finite"] == 0] = np.nan
-    return out
+    return reduce_many([(x3, centre, histogram, relu)])[0]

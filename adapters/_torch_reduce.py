@@ -180,28 +180,30 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
 
 
-def _fused(p: Pending) -> None:
-    """Run the fused kernel on a CPU float32 tensor: the reading's statistics, and with `derive`
-    those of relu(x) (min, max and min |h| of relu(x) follow from x's; NaN bins nowhere, values
-    <= 0 and -inf go to zero's bin)."""
-    x3, c, histogram = p.fused
-    st = kernel.reduce_f32(x3.numpy(), c, histogram, relu=p.derive)
-    out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
-           "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
-           "nan": st["nan_inf"][0], "inf": st["nan_inf"][1]}
-    if histogram:
-        out["hist"] = st["hist"]
-    p.stats.update({k: torch.as_tensor(v) for k, v in out.items()})
-    if p.derive and not st["nan_inf"].any():
-        lo = np.maximum(st["min"], 0)
-        relu = {**out, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
-                "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
-        if histogram:
-            hist = relu["hist"] = st["hist"].copy()
-            hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
-            hist[: bins.ZERO_BIN] = 0
-        p.relu_stats = {k: torch.as_tensor(v) for k, v in relu.items()}
-    p.fused = None
+def _fuse(pending: list[Pending]) -> None:
+    """Run the fused kernel on CPU float32 tensors, all threads sharing the batch: each reading's
+    statistics, and with `derive` those of relu(x) (min, max and min |h| of relu(x) follow from
+    x's; NaN bins nowhere, values <= 0 and -inf go to zero's bin)."""
+    if not pending:
+        return
+    results = kernel.reduce_many([(p.fused[0].numpy(), p.fused[1], p.fused[2], p.derive) for p in pending])
+    for p, st in zip(pending, results):
+        out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
+               "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
+               "nan": st["nan_inf"][0], "inf": st["nan_inf"][1]}
+        if st["hist"] is not None:
+            out["hist"] = st["hist"]
+        p.stats.update({k: torch.as_tensor(v) for k, v in out.items()})
+        if p.derive and not st["nan_inf"].any():
+            lo = np.maximum(st["min"], 0)
+            relu = {**out, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
+                    "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
+            if st["hist"] is not None:
+                hist = relu["hist"] = st["hist"].copy()
+                hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
+                hist[: bins.ZERO_BIN] = 0
+            p.relu_stats = {k: torch.as_tensor(v) for k, v in relu.items()}
+        p.fused = None
 
 
 def _units(p: Pending) -> int:
@@ -251,7 +253,7 @@ def settle(pending: list[Pending]) -> list[Pending]:
     stale = [p for p in pending if p.derived_from is None and _stale(p)]
     for p in stale:
         p.fused = p.hist_source = None
-    list(_pool.map(_fused, [p for p in pending if p.fused is not None and p.derived_from is None]))
+    _fuse([p for p in pending if p.fused is not None and p.derived_from is None])
     for p in pending:
         if p.fused is not None and p.derived_from is not None and p.derived_from.relu_stats is not None:
             p.stats.update(p.derived_from.relu_stats)
@@ -260,7 +262,7 @@ def settle(pending: list[Pending]) -> list[Pending]:
     stale += [p for p in pending if p.fused is not None and _stale(p)]
     for p in stale:
         p.fused = p.hist_source = p.source = None
-    list(_pool.map(_fused, [p for p in pending if p.fused is not None]))  # derivations that could not be
+    _fuse([p for p in pending if p.fused is not None])  # derivations that could not be
     due = [p for p in pending if p.hist_source is not None]
     for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
         p.stats["hist"] = hist
