@@ -48,14 +48,16 @@ def _load():
 
 
 def _openmp():
-    """GOMP_parallel of the libgomp already loaded in this process (PyTorch's), or None: never
-    loads one itself."""
+    """(GOMP_parallel, omp_get_max_threads) of the libgomp already loaded in this process
+    (PyTorch's), or None: never loads one itself."""
     try:
-        fn = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).GOMP_parallel
+        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+        parallel, threads = lib.GOMP_parallel, lib.omp_get_max_threads
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [_P, _P, ctypes.c_uint, ctypes.c_uint], None
-    return fn
+    parallel.argtypes, parallel.restype = [_P, _P, ctypes.c_uint, ctypes.c_uint], None
+    threads.argtypes, threads.restype = [], ctypes.c_int
+    return parallel, threads
 
 
 def _key_table() -> np.ndarray:
@@ -80,11 +82,13 @@ _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
 _BINS = _Bins(_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
     if available else None
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actrace-kernel")
-_gomp: list = []  # [GOMP_parallel or None], looked up at the first batch (PyTorch is loaded by then)
+_gomp: list = []  # [(GOMP_parallel, omp_get_max_threads) or None], looked up at the first batch
+SPLIT = 1 << 16   # values: a tensor this large is cut in pieces, one per thread
 
 
 def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool) -> tuple[_Job, dict]:
-    """A job for the kernel with its output arrays (three buffers: a ctypes pointer costs a microsecond)."""
+    """A job for the kernel with its output arrays (three buffers: a ctypes pointer costs a
+    microsecond). The caller keeps `x3` alive until the job has run."""
     before, units, after = x3.shape
     f64 = np.zeros((4, units))
     f32 = np.full((3, units), np.inf, np.float32)
@@ -98,34 +102,62 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool) -> tuple[_J
     out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
            "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
            "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
-           "relu_zero": i64[2 * units: 3 * units] if relu else None, "_keep": (x3, f32)}
+           "relu_zero": i64[2 * units: 3 * units] if relu else None}
     return job, out
 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
-    """`reduce_f32` of every (x3, centre, histogram, relu) task, the tasks shared among all threads."""
-    made = [_job(*t) for t in tasks]
+    """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
+    and large tensors cut along their leading axis, are shared among the threads, and the pieces'
+    results merged (sums and counts add, extremes take the extreme)."""
+    if not _gomp:  # PyTorch, where it is used, is loaded by the first call
+        _gomp.append(_openmp())
+    threads = _gomp[0][1]() if _gomp[0] else 2
+    pieces = [(k, piece, *task[1:]) for k, task in enumerate(tasks) for piece in _split(task[0], threads)]
+    made = [_job(*piece[1:]) for piece in pieces]
     jobs = (_Job * len(made))(*(j for j, _ in made))
     batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(made), 0))
-    if len(made) > 1 and not _gomp:
-        _gomp.append(_openmp())
     if len(made) == 1:
         _run(batch)
-    elif _gomp[0] is not None:
-        _gomp[0](ctypes.cast(_run, _P), batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
+    elif _gomp[0]:
+        _gomp[0][0](ctypes.cast(_run, _P), batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
     else:
         helper = _pool.submit(_run, batch)
         _run(batch)
         helper.result()
-    results = []
-    for job, (_, out) in zip(jobs, made):
-        if job.status:
-            raise MemoryError("actrace kernel: out of memory for its partial sums")
-        f32 = out.pop("_keep")[1]
-        if not out["finite"].all():  # spec: a unit with no finite value has NaN extremes
-            f32[:, out["finite"] == 0] = np.nan
-        results.append(out)
+    if any(job.status for job in jobs):
+        raise MemoryError("actrace kernel: out of memory for its partial sums")
+    results: list[dict | None] = [None] * len(tasks)
+    for (k, *_), (_, out) in zip(pieces, made):
+        results[k] = out if results[k] is None else _merge(results[k], out)
+    for out in results:
+        empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
+        if empty.any():
+            for key in ("min", "max", "min_dev"):
+                out[key][empty] = np.nan
     return results
+
+
+def _split(x3: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Contiguous pieces of a (before, units, after) array for `parts` threads: along `before`, or
+    along `after` for a whole tensor read as one unit."""
+    if x3.size < SPLIT or parts < 2:
+        return [x3]
+    if x3.shape[0] >= parts:
+        return np.array_split(x3, parts, axis=0)
+    if x3.shape[:2] == (1, 1):
+        return np.array_split(x3, parts, axis=2)
+    return [x3]
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for key in ("sum", "sumsq", "zero", "finite", "hist", "nan_inf", "relu_sum", "relu_sumsq", "relu_zero"):
+        if a[key] is not None:
+            a[key] += b[key]
+    np.minimum(a["min"], b["min"], out=a["min"])
+    np.maximum(a["max"], b["max"], out=a["max"])
+    np.minimum(a["min_dev"], b["min_dev"], out=a["min_dev"])
+    return a
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

@@ -90,13 +90,14 @@ def tensor_version(x: torch.Tensor) -> int | None:
         return None
 
 
-def derive_relu(source: Pending, x: torch.Tensor) -> bool:
-    """Ask `source`'s fused pass for relu(x)'s statistics too, if `x` (a ReLU's input) is exactly
-    the tensor it read and that pass is still to come."""
+def derive_relu(source: Pending, x: torch.Tensor, exact: bool = True) -> bool:
+    """Ask `source`'s fused pass for relu's statistics too, if that pass is still to come and `x`
+    (a ReLU's input) is exactly the tensor it read, or (`exact=False`) `x` is known by construction
+    to be relu of that tensor."""
     w = source.watch
-    same = source.fused is not None and w is not None and w.data_ptr() == x.data_ptr() \
-        and w.shape == x.shape and w.stride() == x.stride() and w.dtype == x.dtype \
-        and source.version is not None and tensor_version(x) == source.version
+    same = source.fused is not None and w is not None and w.shape == x.shape and w.dtype == x.dtype and (
+        not exact or (w.data_ptr() == x.data_ptr() and w.stride() == x.stride()
+                      and source.version is not None and tensor_version(x) == source.version))
     source.derive = source.derive or same
     return same
 

@@ -46,7 +46,6 @@ CHANNELS_FIRST = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTr
                   nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.pooling._MaxPoolNd,
                   nn.modules.pooling._AvgPoolNd)
 FUNCTIONAL = {"relu": "relu", "gelu": "gelu"}
-HELD_BYTES = 256 * 2**20  # activations a probe reading may hold until the forward ends
 
 
 def layer_kind(module: nn.Module) -> str | None:
@@ -128,14 +127,15 @@ class Monitor:
                 overwrite=overwrite if overwrite is not None else os.environ.get("ACTRACE_OVERWRITE") == "1")
         self.layers = self._select(include, exclude, types)
         self.layer_index: dict[str, int] = {}
-        self._pending: list[Pending] = []
+        self._pending: list[Pending] = []  # this chunk's readings
+        self._open: list[Pending] = []     # the newest, settled at the next hook (a ReLU may derive from it)
         self._stale: list[Pending] = []
         self._eager: set[str] = set()  # layers whose output is changed in place after their hook
         self._derive: dict[nn.Module, Pending] = {}
         self._relus = {m for m, kind in self.layers.values() if kind == "relu"}
+        self._relu_of: dict[str, str] = {}  # functional ReLU layer -> the layer whose relu it is
         self._calls: dict[str, int] = {}
         self._reading = False
-        self._held = 0
         self._channels_first = False
         self._grad_pending: list[Pending] = []
         self._previous: dict[str, torch.Tensor] = {}
@@ -166,14 +166,19 @@ class Monitor:
         return chosen
 
     def _functional_layers(self) -> dict[str, tuple[nn.Module, str]]:
-        """Activations applied as functions inside transformer layers, read at `linear2`'s input."""
+        """Activations applied as functions inside transformer layers, read at `linear2`'s input.
+        Where the layer's feed-forward block is PyTorch's own and the activation is `F.relu`, that
+        input is relu(linear1's output) by construction (dropout is off in eval mode): noted in
+        `_relu_of`, so the reading can come from linear1's pass."""
         out = {}
         for name, module in self.inner.named_modules():
             act = getattr(module, "activation", None)
-            if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) \
-                    and not isinstance(act, nn.Module):
-                kind = FUNCTIONAL.get(getattr(act, "__name__", ""), "other")
-                out[f"{name}.activation"] = (module.linear2, kind)
+            for cls in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer):
+                if isinstance(module, cls) and not isinstance(act, nn.Module):
+                    kind = FUNCTIONAL.get(getattr(act, "__name__", ""), "other")
+                    out[f"{name}.activation"] = (module.linear2, kind)
+                    if act is nn.functional.relu and type(module)._ff_block is cls._ff_block:
+                        self._relu_of[f"{name}.activation"] = f"{name}.linear1"
         return out
 
     # -- hooks -----------------------------------------------------------------------------
@@ -204,12 +209,10 @@ class Monitor:
                 if src is not None and src.shape == p.shape and src.unit_axis == p.unit_axis:
                     p.derived_from = src
                 self._pending.append(p)
-                self._held += t.numel() * t.element_size()
+                self._settle(self._open)  # the reading before, its tensor still in cache
+                self._open = [p]
                 if layer in self._eager or p.version is None:
-                    self._settle([p])
-                elif self._held > HELD_BYTES:  # settling frees the activations it holds
-                    self._settle(self._pending)
-                    self._held = 0
+                    self._settle(self._open)
             elif self.activation_grads and t.requires_grad and self._steps_seen % self.grad_every == 0:
                 t.register_hook(self._grad_hook(layer, kind, axis, _bounds(module, kind)))
 
@@ -230,15 +233,19 @@ class Monitor:
             return
         x = inputs[0]
         if module in self._relus:
-            self._derive[module] = next((p for p in reversed(self._pending[-4:]) if derive_relu(p, x)), None)
+            self._derive[module] = next((p for p in self._open if derive_relu(p, x)), None)
         if getattr(module, "inplace", False) is True:
-            self._settle([p for p in self._pending if p.holds(x)])
+            self._settle([p for p in self._open if p.holds(x)])
 
     def _settle(self, pending: list[Pending]) -> None:
         self._stale += settle(pending)
 
     def _functional_hook(self, name: str, kind: str):
         def hook(module, inputs):
+            source = self._relu_of.get(name)
+            if self._reading and source:
+                self._derive[module] = next((p for p in self._open if p.layer.split("#")[0] == source
+                                             and derive_relu(p, inputs[0], exact=False)), None)
             if self._reading or self.activation_grads:
                 self._record_output(name, module, kind, inputs[0])
         return hook
@@ -303,9 +310,9 @@ class Monitor:
         return self._write(step, to_readings(pending))
 
     def _forward(self, chunk: dict) -> None:
-        self._reading, self._calls, self._pending, self._held, self._stale, self._derive = True, {}, [], 0, [], {}
+        self._reading, self._calls, self._pending, self._open, self._stale, self._derive = True, {}, [], [], [], {}
         self._call(chunk)
-        self._settle(self._pending)  # before this chunk's activations are freed
+        self._settle(self._open)
         if self._stale and self._eager.issuperset(p.layer for p in self._stale):
             raise RuntimeError(f"actrace: {self._stale[0].layer!r} was changed in place before it could be read")
 

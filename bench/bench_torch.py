@@ -9,6 +9,7 @@ transformer encoder, d=256, on 32×128 tokens), side by side in one run:
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step.
+The cases take turns, round after round, and each keeps its best time (see `interleaved`).
 Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer]
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -47,16 +49,31 @@ def transformer():
 MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer}
 
 
-def timeit(fn, repeat: int, sync) -> float:
-    fn()
-    sync()
-    times = []
+def interleaved(cases: dict, repeat: int, sync) -> dict[str, float]:
+    """Best time of each case, the cases taking turns round after round: this VM's speed drifts by
+    10-20 % over a minute, and turns spread the drift over every case alike. A case is a context
+    manager factory that sets up (and warms up) outside the timer and yields the function to time."""
+    best = dict.fromkeys(cases, float("inf"))
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # best of: the least disturbed run on a shared machine
+        for name, case in cases.items():
+            with case() as fn:
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+@contextmanager
+def hooked(fn, attach):
+    """`fn` timed with hooks attached (and removed afterwards)."""
+    handles = attach()
+    try:
+        yield fn
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def hooks_per_statistic(model):
@@ -101,56 +118,54 @@ def main() -> None:
         model, probe, loss_fn = build()
         model, probe = model.to(dev), probe.to(dev)
         model.eval()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def forward():
             with torch.no_grad():
                 model(probe)
 
-        base = timeit(forward, args.repeat, sync)
-        with tempfile.TemporaryDirectory() as d:
-            mon = Monitor(model, probe, f"{d}/t.parquet", flush_every=10_000_000)
-            ours = timeit(lambda: mon.probe_reading(0), args.repeat, sync)
-            mon.close()
-            mon = Monitor(model, probe, f"{d}/n.parquet", flush_every=10_000_000, histogram=False)
-            no_hist = timeit(lambda: mon.probe_reading(0), args.repeat, sync)
-            mon.close()
-            handles = hooks_per_statistic(model)
-            per_stat = timeit(forward, args.repeat, sync)
-            for h in handles:
-                h.remove()
-            tb = SummaryWriter(d)
-            handles = tensorboard_hooks(model, tb)
-            tensorboard = timeit(forward, max(2, args.repeat // 2), sync)
-            for h in handles:
-                h.remove()
-            tb.close()
-
+        def train_step(mon=None):
             model.train()
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            x = probe
-
-            def train_step():
-                loss = loss_fn(model(x))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-
-            plain = timeit(train_step, args.repeat, sync)
-            mon = Monitor(model, probe, f"{d}/g.parquet", probe_every=10**9, grad_every=1, param_every=10**9,
-                          flush_every=10_000_000)
-
-            def watched_step():
-                loss = loss_fn(model(x))
-                opt.zero_grad()
-                loss.backward()
+            loss = loss_fn(model(probe))
+            opt.zero_grad()
+            loss.backward()
+            if mon is not None:
                 mon.gradient_reading(0)
-                opt.step()
+            opt.step()
+            model.eval()
 
-            watched = timeit(watched_step, args.repeat, sync)
-            mon.close()
-        print(f"{name:<18} {base * 1e3:>10.1f} {ours / base:>7.2f}x {no_hist / base:>7.2f}x {per_stat / base:>8.2f}x "
-              f"{tensorboard / base:>10.2f}x "
-              f"{plain * 1e3:>9.1f} {watched / plain:>6.2f}x")
+        with tempfile.TemporaryDirectory() as d:
+            @contextmanager
+            def monitored(**kw):
+                with Monitor(model, probe, f"{d}/t.parquet", overwrite=True, flush_every=10_000_000,
+                             **kw) as mon:
+                    mon.probe_reading(0)  # the first reading finds in-place layers and warms the threads
+                    yield lambda: mon.probe_reading(0)
+
+            @contextmanager
+            def watched():
+                with Monitor(model, probe, f"{d}/g.parquet", overwrite=True, probe_every=10**9,
+                             param_every=10**9, flush_every=10_000_000) as mon:
+                    train_step(mon)
+                    yield lambda: train_step(mon)
+
+            tb = SummaryWriter(d)
+            t = interleaved({
+                "forward": lambda: nullcontext(forward),
+                "actrace": monitored,
+                "no hist": lambda: monitored(histogram=False),
+                "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
+                "train": lambda: nullcontext(train_step),
+                "+grads": watched,
+            }, args.repeat, sync)
+            slow = interleaved({"forward": lambda: nullcontext(forward),
+                                "tensorboard": lambda: hooked(forward, lambda: tensorboard_hooks(model, tb))},
+                               max(2, args.repeat // 3), sync)
+            tb.close()
+        base = t["forward"]
+        print(f"{name:<18} {base * 1e3:>10.1f} {t['actrace'] / base:>7.2f}x {t['no hist'] / base:>7.2f}x "
+              f"{t['per-stat'] / base:>8.2f}x {slow['tensorboard'] / slow['forward']:>10.2f}x "
+              f"{t['train'] * 1e3:>9.1f} {t['+grads'] / t['train']:>6.2f}x")
 
 
 if __name__ == "__main__":

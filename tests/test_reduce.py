@@ -75,6 +75,28 @@ def cascade_error(clean: np.ndarray, square: bool, axes) -> np.ndarray:
     return 64 * 2.0 ** -24 * terms.sum(axis=axes) + 1e-6
 
 
+@pytest.mark.skipif(not __import__("actrace").kernel.available, reason="the compiled kernel is not built here")
+@pytest.mark.parametrize("shape", [(300, 7, 40), (1, 1, 70001), (3000, 40, 1)])
+def test_a_large_tensor_cut_among_threads_gives_the_whole_tensors_statistics(shape):
+    from actrace import kernel
+    from actrace.reduce import _numpy_stats
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[::997] = np.nan
+    x.reshape(-1)[5::1009] = -np.inf
+    x[..., 0] = 0.0
+    assert len(kernel._split(x, 2)) == 2
+    (got,), want = kernel.reduce_many([(x, 0.0, True, True)]), _numpy_stats(x, 0.0, True)
+    for name in ("hist", "zero", "finite", "nan_inf", "min", "max", "min_dev"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_array_equal(got["relu_zero"], ((x <= 0) & np.isfinite(x)).sum(axis=(0, 2)))
+    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
+    for name, square in (("sum", False), ("sumsq", True)):
+        assert np.all(np.abs(got[name] - want[name]) <= cascade_error(clean, square, (0, 2))), name
+    assert np.all(np.abs(got["relu_sum"] - np.maximum(clean, 0).sum(axis=(0, 2))) <=
+                  cascade_error(np.maximum(clean, 0), False, (0, 2)))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_half_precision_accumulates_in_wide_floats(dtype):
     x = np.full((4096, 2), 1.0, dtype=dtype)  # a float16 running sum would stop at 2048

@@ -231,8 +231,8 @@ def test_repeated_calls_get_distinct_names_and_dict_fields_are_recorded(tmp_path
 def test_functional_activations_in_transformer_layers_are_read(tmp_path):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    record_once(model, torch.randn(4, 10, 32), tmp_path / "t.parquet")
+    model, probe = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), torch.randn(4, 10, 32)
+    record_once(model, probe, tmp_path / "t.parquet")
     t = actrace.read_table(tmp_path / "t.parquet").to_pylist()
     acts = {r["layer"]: r for r in t}
     assert {"layers.0.activation", "layers.1.activation"} <= set(acts)
@@ -240,6 +240,12 @@ def test_functional_activations_in_transformer_layers_are_read(tmp_path):
     assert a["kind"] == "relu" and a["units"] == 64 and a["min"] == 0.0
     assert 0.3 < a["zero_count"] / a["count"] < 0.7
     assert acts["layers.0.linear1"]["units"] == 64  # sequence [B, T, D]: the last axis
+    seen = []  # what linear2 really reads, captured apart (the reading is derived from linear1's pass)
+    handle = model.layers[1].linear2.register_forward_pre_hook(lambda m, i: seen.append(i[0].clone()))
+    with torch.no_grad():
+        model.eval()(probe)
+    handle.remove()
+    assert_reads(acts["layers.1.activation"], seen[0], "relu")
 
 
 def test_gradient_readings_record_norms_update_ratio_and_nan_without_raising(tmp_path):
