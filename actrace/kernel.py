@@ -77,6 +77,7 @@ def _key_table() -> np.ndarray:
 
 _run = _load()
 available = _run is not None
+_RUN = ctypes.cast(_run, _P) if available else None
 _TABLE = _key_table() if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
 _BINS = _Bins(_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
@@ -86,78 +87,71 @@ _gomp: list = []  # [(GOMP_parallel, omp_get_max_threads) or None], looked up at
 SPLIT = 1 << 16   # values: a tensor this large is cut in pieces, one per thread
 
 
-def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool) -> tuple[_Job, dict]:
-    """A job for the kernel with its output arrays (three buffers: a ctypes pointer costs a
-    microsecond). The caller keeps `x3` alive until the job has run."""
+def _jobs(x3: np.ndarray, centre: float, histogram: bool, relu: bool, parts: int) -> tuple[list[_Job], tuple]:
+    """Jobs for one task, its tensor cut into up to `parts` contiguous pieces (along `before`, or
+    along `after` for a whole tensor read as one unit), and their outputs: three buffers with a row
+    per piece (a ctypes pointer costs a microsecond). The caller keeps `x3` alive until they have run."""
     before, units, after = x3.shape
-    f64 = np.zeros((4, units))
-    f32 = np.full((3, units), np.inf, np.float32)
-    f32[1] = -np.inf
-    i64 = np.zeros(3 * units + bins.N_BINS + 2, np.int64)
-    d, f, i = f64.ctypes.data, f32.ctypes.data, i64.ctypes.data
-    hist = i + 24 * units
-    job = _Job(x3.ctypes.data, before, units, after, centre, 0, d, d + 8 * units, d + 16 * units if relu else None,
-               d + 24 * units if relu else None, f, f + 4 * units, f + 8 * units, i, i + 8 * units,
-               i + 16 * units if relu else None, hist if histogram else None, hist + 8 * bins.N_BINS)
+    if x3.size < SPLIT or parts < 2 or (before < parts and (before, units) != (1, 1)):
+        parts = 1
+    axis = 0 if before >= parts else 2
+    cuts = [x3.shape[axis] * k // parts for k in range(parts + 1)]
+    f64 = np.zeros((parts, 4, units))
+    f32 = np.empty((parts, 3, units), np.float32)
+    f32[:, 0::2], f32[:, 1] = np.inf, -np.inf
+    width = 3 * units + bins.N_BINS + 2
+    i64 = np.zeros((parts, width), np.int64)
+    step = 4 * (units * after if axis == 0 else 1)  # bytes from one `before` row (or `after` value) to the next
+    jobs = []
+    for k in range(parts):
+        d, f, i = f64.ctypes.data + 32 * units * k, f32.ctypes.data + 12 * units * k, i64.ctypes.data + 8 * width * k
+        rows = cuts[k + 1] - cuts[k]
+        shape = (rows, units, after) if axis == 0 else (1, 1, rows)
+        hist = i + 24 * units
+        jobs.append(_Job(x3.ctypes.data + step * cuts[k], *shape, centre, 0, d, d + 8 * units,
+                         d + 16 * units if relu else None, d + 24 * units if relu else None, f, f + 4 * units,
+                         f + 8 * units, i, i + 8 * units, i + 16 * units if relu else None,
+                         hist if histogram else None, hist + 8 * bins.N_BINS))
+    return jobs, (f64, f32, i64, histogram, relu)
+
+
+def _results(f64: np.ndarray, f32: np.ndarray, i64: np.ndarray, histogram: bool, relu: bool) -> dict:
+    """One task's statistics from its pieces' rows: sums and counts add, extremes take the extreme."""
+    if len(f64) > 1:
+        f64, i64 = f64.sum(axis=0, keepdims=True), i64.sum(axis=0, keepdims=True)
+        f32 = np.stack([f32[:, 0].min(axis=0), f32[:, 1].max(axis=0), f32[:, 2].min(axis=0)])[None]
+    (f64,), (f32,), (i64,) = f64, f32, i64
+    units = f64.shape[1]
     out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
            "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
            "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
            "relu_zero": i64[2 * units: 3 * units] if relu else None}
-    return job, out
+    empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
+    if empty.any():
+        f32[:, empty] = np.nan
+    return out
 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
     """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
-    and large tensors cut along their leading axis, are shared among the threads, and the pieces'
-    results merged (sums and counts add, extremes take the extreme)."""
+    and large tensors cut in pieces, are shared among the threads."""
     if not _gomp:  # PyTorch, where it is used, is loaded by the first call
         _gomp.append(_openmp())
     threads = _gomp[0][1]() if _gomp[0] else 2
-    pieces = [(k, piece, *task[1:]) for k, task in enumerate(tasks) for piece in _split(task[0], threads)]
-    made = [_job(*piece[1:]) for piece in pieces]
-    jobs = (_Job * len(made))(*(j for j, _ in made))
-    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(made), 0))
-    if len(made) == 1:
+    made = [_jobs(*task, threads) for task in tasks]
+    jobs = (_Job * sum(len(j) for j, _ in made))(*(job for j, _ in made for job in j))
+    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(jobs), 0))
+    if len(jobs) == 1:
         _run(batch)
     elif _gomp[0]:
-        _gomp[0][0](ctypes.cast(_run, _P), batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
+        _gomp[0][0](_RUN, batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
     else:
         helper = _pool.submit(_run, batch)
         _run(batch)
         helper.result()
     if any(job.status for job in jobs):
         raise MemoryError("actrace kernel: out of memory for its partial sums")
-    results: list[dict | None] = [None] * len(tasks)
-    for (k, *_), (_, out) in zip(pieces, made):
-        results[k] = out if results[k] is None else _merge(results[k], out)
-    for out in results:
-        empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
-        if empty.any():
-            for key in ("min", "max", "min_dev"):
-                out[key][empty] = np.nan
-    return results
-
-
-def _split(x3: np.ndarray, parts: int) -> list[np.ndarray]:
-    """Contiguous pieces of a (before, units, after) array for `parts` threads: along `before`, or
-    along `after` for a whole tensor read as one unit."""
-    if x3.size < SPLIT or parts < 2:
-        return [x3]
-    if x3.shape[0] >= parts:
-        return np.array_split(x3, parts, axis=0)
-    if x3.shape[:2] == (1, 1):
-        return np.array_split(x3, parts, axis=2)
-    return [x3]
-
-
-def _merge(a: dict, b: dict) -> dict:
-    for key in ("sum", "sumsq", "zero", "finite", "hist", "nan_inf", "relu_sum", "relu_sumsq", "relu_zero"):
-        if a[key] is not None:
-            a[key] += b[key]
-    np.minimum(a["min"], b["min"], out=a["min"])
-    np.maximum(a["max"], b["max"], out=a["max"])
-    np.minimum(a["min_dev"], b["min_dev"], out=a["min_dev"])
-    return a
+    return [_results(*outputs) for _, outputs in made]
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:
