@@ -31,7 +31,8 @@ class _Bins(ctypes.Structure):
 class _Job(ctypes.Structure):  # Job in _kernel.c
     _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float),
                 ("status", ctypes.c_int)] + [(name, _P) for name in (
-                    "sum", "sumsq", "rsum", "rsumsq", "mn", "mx", "mindev", "zero", "finite", "rzero", "hist", "nan_inf")]
+                    "sum", "sumsq", "rsum", "rsumsq", "mn", "mx", "mindev", "zero", "finite", "rzero", "hist",
+                    "nan_inf")]
 
 
 class _Batch(ctypes.Structure):

@@ -2,7 +2,7 @@
 
 `reduce_tensor` queues the work: a CPU float32 tensor waits for the core's fused C kernel; other
 tensors are reduced with torch kernels on their device. `settle` finishes a batch of readings
-before their tensors are freed: the fused kernel on two threads (ctypes releases the GIL), then
+before their tensors are freed: the fused kernel on every thread (PyTorch's OpenMP team), then
 one host sync to find the rare torch-path reading with a NaN or Inf, counted again exactly.
 A tensor changed in place after it was queued (its version counter moved) is reported stale, not
 read. A ReLU reading of a queued float32 tensor can be derived from that tensor's pass
@@ -137,8 +137,8 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
                       watch=x, version=tensor_version(x))
     c = centre(bounds)
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
-        # one fused pass per tensor in `settle`, two at a time once the forward is over: beside it,
-        # the kernel threads would fight torch's spinning OpenMP threads (measured: slower)
+        # one fused pass in `settle`, on torch's own OpenMP threads (threads of ours would fight
+        # them: measured slower)
         if per_unit and unit_axis is not None:
             view = x.contiguous().view(int(np.prod(shape[:axis])), shape[axis], -1)
         else:
@@ -246,10 +246,10 @@ def _stale(p: Pending) -> bool:
 
 
 def settle(pending: list[Pending]) -> list[Pending]:
-    """Finish readings whose tensors are about to be freed: fused passes and histograms of CPU
-    tensors on two threads (ReLU readings derived from their input's pass where they can be), then
-    one host sync for the whole batch to find readings with a NaN or Inf (a non-finite sum of
-    squares), which are re-counted exactly. Drops the tensor references. Returns the readings
+    """Finish readings whose tensors are about to be freed: fused passes on every thread (ReLU
+    readings derived from their input's pass where they can be), histograms of other CPU tensors
+    on two, then one host sync for the whole batch to find readings with a NaN or Inf (a
+    non-finite sum of squares), which are re-counted exactly. Drops the tensor references. Returns the readings
     whose tensor was changed in place since it was queued: they are not read."""
     stale = [p for p in pending if p.derived_from is None and _stale(p)]
     for p in stale:

@@ -3,7 +3,8 @@
 Probe readings run the fixed probe batch in eval mode under `no_grad` (the model's modes are
 restored afterwards) and read every selected module's output through forward hooks; gradient
 readings read `.grad` of every parameter after `backward()`. CPU float32 outputs are reduced by
-the core's fused kernel once the forward is over; other tensors by torch kernels on their device,
+the core's fused kernel at the next hook, while still in cache (so a probe reading holds two
+activations at most); other tensors by torch kernels on their device,
 with results moved to the host once per reading. A `nn.ReLU` whose input is a recorded tensor gets
 its reading from that tensor's pass. A tensor about to be overwritten by an in-place module
 (`ReLU(inplace=True)`) is read first; one changed in place by other code (`out += identity`) is
