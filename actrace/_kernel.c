@@ -246,64 +246,99 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
     }
 }
 
-typedef struct { /* one tensor's reduction; outputs per unit, initialized by the caller */
+typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or along `after` when
+                  * before and units are 1) that threads take apart; outputs have a row per piece */
     const float *x;
     int64_t before, units, after;
     float centre;
-    int status;                           /* 0 done, -1 out of memory */
-    double *sum, *sumsq, *rsum, *rsumsq;  /* rsum, rsumsq, rzero: NULL unless relu(x) is asked for */
-    float *mn, *mx, *mindev;              /* +inf, -inf, +inf */
-    int64_t *zero, *finite, *rzero, *hist, *nan_inf; /* hist: NULL for none */
+    int32_t pieces, relu, hist;
+    int32_t status;   /* 0 done, -1 out of memory */
+    int32_t done;     /* pieces finished: the last one merges the rows into row 0 */
+    double *f64;      /* per piece: sum, sumsq, rsum, rsumsq (each `units` long), zeroed by the caller */
+    float *f32;       /* per piece: min, max, min |x - centre| */
+    int64_t *i64;     /* per piece: zero, finite, rzero, then hist (n_bins) and nan, inf; zeroed */
 } Job;
 
 typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
 
-/* One job. Non-finite values are kept out of every statistic (branch-free, so the loops
- * vectorize); nan_inf[0] gets the NaN count and nan_inf[1] the ±inf count; rsum, rsumsq and rzero
- * are the sums of relu(x) over finite values and how many finite values are <= 0. Built for AVX2
- * and for plain x86-64 where the compiler can, the loader picking what the CPU runs. */
+/* One piece of a job into its row. Non-finite values are kept out of every statistic
+ * (branch-free, so the loops vectorize) and counted as NaN or ±inf; rsum, rsumsq and rzero are the
+ * sums of relu(x) over finite values and how many finite values are <= 0. Built for AVX2 and for
+ * plain x86-64 where the compiler can, the loader picking what the CPU runs. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void reduce_job(const Bins *b, Job *j) {
-    Out o = {j->sum, j->sumsq, j->rsum, j->rsumsq, j->mn, j->mx, j->mindev, j->zero, j->finite, j->rzero};
+static int reduce_piece(const Bins *b, const Job *j, int64_t k) {
+    int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
+    int along_before = j->before >= j->pieces;
+    int64_t span = along_before ? j->before : j->after, lo = span * k / j->pieces, hi = span * (k + 1) / j->pieces;
+    int64_t before = along_before ? hi - lo : j->before, after = along_before ? j->after : hi - lo;
+    const float *x = j->x + lo * (along_before ? units * j->after : 1);
+    double *d = j->f64 + 4 * units * k;
+    float *f = j->f32 + 3 * units * k;
+    int64_t *i = j->i64 + wide * k, *hist = j->hist ? i + 3 * units : NULL, *nan_inf = i + wide - 2;
+    for (int64_t u = 0; u < units; u++) { f[u] = INFINITY; f[units + u] = -INFINITY; f[2 * units + u] = INFINITY; }
+    Out o = {d, d + units, d + 2 * units, d + 3 * units, f, f + units, f + 2 * units, i, i + units, i + 2 * units};
     int64_t part[4][MAX_BINS];
     memset(part, 0, sizeof part);
-    Hist h = {b, part, j->hist != NULL, 0};
-    int64_t units = j->units, total = j->before * units * j->after, fin_total = 0, nan;
-    if (j->after == 1) {
+    Hist h = {b, part, hist != NULL, 0};
+    int64_t total = before * units * after, fin_total = 0, nan;
+    if (after == 1) {
         float *pf = malloc(units * sizeof(float) * 4);
         int32_t *pi = malloc(units * sizeof(int32_t) * 3);
-        if (!pf || !pi) { free(pf); free(pi); j->status = -1; return; }
+        if (!pf || !pi) { free(pf); free(pi); return -1; }
         Partials w = {pf, pf + units, pf + 2 * units, pf + 3 * units, pi, pi + units, pi + 2 * units};
-        if (j->rsum) dense(&h, j->x, j->before, units, j->centre, &o, &w, 1);
-        else dense(&h, j->x, j->before, units, j->centre, &o, &w, 0);
+        if (j->relu) dense(&h, x, before, units, j->centre, &o, &w, 1);
+        else dense(&h, x, before, units, j->centre, &o, &w, 0);
         free(pf); free(pi);
-    } else if (j->rsum) {
-        runs(&h, j->x, j->before, units, j->after, j->centre, &o, 1);
+    } else if (j->relu) {
+        runs(&h, x, before, units, after, j->centre, &o, 1);
     } else {
-        runs(&h, j->x, j->before, units, j->after, j->centre, &o, 0);
+        runs(&h, x, before, units, after, j->centre, &o, 0);
     }
     nan = h.nan;
-    if (j->hist)
-        for (int k = 0; k < b->n_bins; k++) j->hist[k] += part[0][k] + part[1][k] + part[2][k] + part[3][k];
-    for (int64_t u = 0; u < units; u++) fin_total += j->finite[u];
-    if (!j->hist) { /* NaN and Inf apart need a look at the non-finite values */
-        for (int64_t k = 0; k < total && fin_total + nan < total; k++) nan += isnan(j->x[k]);
+    if (hist)
+        for (int bin = 0; bin < b->n_bins; bin++) hist[bin] = part[0][bin] + part[1][bin] + part[2][bin] + part[3][bin];
+    for (int64_t u = 0; u < units; u++) fin_total += o.finite[u];
+    if (!hist) { /* NaN and Inf apart need a look at the non-finite values */
+        for (int64_t v = 0; v < total && fin_total + nan < total; v++) nan += isnan(x[v]);
     }
-    j->nan_inf[0] = nan;
-    j->nan_inf[1] = total - fin_total - nan;
-    j->status = 0;
+    nan_inf[0] = nan;
+    nan_inf[1] = total - fin_total - nan;
+    return 0;
 }
 
-/* Take jobs until none is left. Any number of threads may run it on one batch at once: a
- * framework's OpenMP team (through GOMP_parallel, whose signature this has) or Python threads. */
+/* Row 0 takes every piece's row (sums and counts add, extremes take the extreme); a unit with no
+ * finite value gets NaN extremes (spec). */
+static void merge_rows(const Bins *b, Job *j) {
+    int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
+    for (int64_t k = 1; k < j->pieces; k++) {
+        const double *d = j->f64 + 4 * units * k;
+        const float *f = j->f32 + 3 * units * k;
+        const int64_t *i = j->i64 + wide * k;
+        for (int64_t u = 0; u < 4 * units; u++) j->f64[u] += d[u];
+        for (int64_t u = 0; u < units; u++) {
+            j->f32[u] = fminf(j->f32[u], f[u]);
+            j->f32[units + u] = fmaxf(j->f32[units + u], f[units + u]);
+            j->f32[2 * units + u] = fminf(j->f32[2 * units + u], f[2 * units + u]);
+        }
+        for (int64_t u = 0; u < wide; u++) j->i64[u] += i[u];
+    }
+    for (int64_t u = 0; u < units; u++)
+        if (j->i64[units + u] == 0) j->f32[u] = j->f32[units + u] = j->f32[2 * units + u] = NAN;
+}
+
+/* Take pieces of jobs until none is left. Any number of threads may run it on one batch at once:
+ * a framework's OpenMP team (through GOMP_parallel, whose signature this has) or Python threads. */
 void actrace_run_batch(void *data) {
     Batch *batch = data;
     for (;;) {
-        int64_t i = __atomic_fetch_add(&batch->next, 1, __ATOMIC_RELAXED);
-        if (i >= batch->n) return;
-        reduce_job(&batch->bins, &batch->jobs[i]);
+        int64_t i = __atomic_fetch_add(&batch->next, 1, __ATOMIC_RELAXED), job = 0;
+        while (job < batch->n && i >= batch->jobs[job].pieces) i -= batch->jobs[job++].pieces;
+        if (job >= batch->n) return;
+        Job *j = &batch->jobs[job];
+        if (reduce_piece(&batch->bins, j, i)) j->status = -1; /* only ever set, so no race matters */
+        if (__atomic_add_fetch(&j->done, 1, __ATOMIC_ACQ_REL) == j->pieces) merge_rows(&batch->bins, j);
     }
 }
 

@@ -29,10 +29,9 @@ class _Bins(ctypes.Structure):
 
 
 class _Job(ctypes.Structure):  # Job in _kernel.c
-    _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float),
-                ("status", ctypes.c_int)] + [(name, _P) for name in (
-                    "sum", "sumsq", "rsum", "rsumsq", "mn", "mx", "mindev", "zero", "finite", "rzero", "hist",
-                    "nan_inf")]
+    _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float)] + \
+        [(name, ctypes.c_int32) for name in ("pieces", "relu", "hist", "status", "done")] + \
+        [("f64", _P), ("f32", _P), ("i64", _P)]
 
 
 class _Batch(ctypes.Structure):
@@ -88,49 +87,24 @@ _gomp: list = []  # [(GOMP_parallel, omp_get_max_threads) or None], looked up at
 SPLIT = 1 << 16   # values: a tensor this large is cut in pieces, one per thread
 
 
-def _jobs(x3: np.ndarray, centre: float, histogram: bool, relu: bool, parts: int) -> tuple[list[_Job], tuple]:
-    """Jobs for one task, its tensor cut into up to `parts` contiguous pieces (along `before`, or
-    along `after` for a whole tensor read as one unit), and their outputs: three buffers with a row
-    per piece (a ctypes pointer costs a microsecond). The caller keeps `x3` alive until they have run."""
+def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: int) -> tuple[_Job, dict]:
+    """A job for the kernel and the views of its results. A large tensor is cut into a piece per
+    thread (along `before`, or along `after` for a whole tensor read as one unit); the outputs have
+    a row per piece, merged into row 0 by the kernel. The caller keeps `x3` alive until it has run."""
     before, units, after = x3.shape
-    if x3.size < SPLIT or parts < 2 or (before < parts and (before, units) != (1, 1)):
-        parts = 1
-    axis = 0 if before >= parts else 2
-    cuts = [x3.shape[axis] * k // parts for k in range(parts + 1)]
-    f64 = np.zeros((parts, 4, units))
-    f32 = np.empty((parts, 3, units), np.float32)
-    f32[:, 0::2], f32[:, 1] = np.inf, -np.inf
-    width = 3 * units + bins.N_BINS + 2
-    i64 = np.zeros((parts, width), np.int64)
-    step = 4 * (units * after if axis == 0 else 1)  # bytes from one `before` row (or `after` value) to the next
-    jobs = []
-    for k in range(parts):
-        d, f, i = f64.ctypes.data + 32 * units * k, f32.ctypes.data + 12 * units * k, i64.ctypes.data + 8 * width * k
-        rows = cuts[k + 1] - cuts[k]
-        shape = (rows, units, after) if axis == 0 else (1, 1, rows)
-        hist = i + 24 * units
-        jobs.append(_Job(x3.ctypes.data + step * cuts[k], *shape, centre, 0, d, d + 8 * units,
-                         d + 16 * units if relu else None, d + 24 * units if relu else None, f, f + 4 * units,
-                         f + 8 * units, i, i + 8 * units, i + 16 * units if relu else None,
-                         hist if histogram else None, hist + 8 * bins.N_BINS))
-    return jobs, (f64, f32, i64, histogram, relu)
-
-
-def _results(f64: np.ndarray, f32: np.ndarray, i64: np.ndarray, histogram: bool, relu: bool) -> dict:
-    """One task's statistics from its pieces' rows: sums and counts add, extremes take the extreme."""
-    if len(f64) > 1:
-        f64, i64 = f64.sum(axis=0, keepdims=True), i64.sum(axis=0, keepdims=True)
-        f32 = np.stack([f32[:, 0].min(axis=0), f32[:, 1].max(axis=0), f32[:, 2].min(axis=0)])[None]
-    (f64,), (f32,), (i64,) = f64, f32, i64
-    units = f64.shape[1]
-    out = {"sum": f64[0], "sumsq": f64[1], "min": f32[0], "max": f32[1], "min_dev": f32[2], "zero": i64[:units],
-           "finite": i64[units: 2 * units], "hist": i64[3 * units: -2] if histogram else None, "nan_inf": i64[-2:],
-           "relu_sum": f64[2] if relu else None, "relu_sumsq": f64[3] if relu else None,
-           "relu_zero": i64[2 * units: 3 * units] if relu else None}
-    empty = out["finite"] == 0  # spec: a unit with no finite value has NaN extremes
-    if empty.any():
-        f32[:, empty] = np.nan
-    return out
+    cut = x3.size >= SPLIT and (before >= threads or (before, units) == (1, 1))
+    pieces = threads if cut else 1
+    f64 = np.zeros((pieces, 4, units))
+    f32 = np.empty((pieces, 3, units), np.float32)
+    i64 = np.zeros((pieces, 3 * units + bins.N_BINS + 2), np.int64)
+    job = _Job(x3.ctypes.data, before, units, after, centre, pieces, relu, histogram, 0, 0,
+               f64.ctypes.data, f32.ctypes.data, i64.ctypes.data)
+    (d, f, i) = (f64[0], f32[0], i64[0])
+    out = {"sum": d[0], "sumsq": d[1], "min": f[0], "max": f[1], "min_dev": f[2], "zero": i[:units],
+           "finite": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None, "nan_inf": i[-2:],
+           "relu_sum": d[2] if relu else None, "relu_sumsq": d[3] if relu else None,
+           "relu_zero": i[2 * units: 3 * units] if relu else None}
+    return job, out
 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
@@ -139,10 +113,10 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
     if not _gomp:  # PyTorch, where it is used, is loaded by the first call
         _gomp.append(_openmp())
     threads = _gomp[0][1]() if _gomp[0] else 2
-    made = [_jobs(*task, threads) for task in tasks]
-    jobs = (_Job * sum(len(j) for j, _ in made))(*(job for j, _ in made for job in j))
-    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(jobs), 0))
-    if len(jobs) == 1:
+    made = [_job(*task, threads) for task in tasks]
+    jobs = (_Job * len(made))(*(job for job, _ in made))
+    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(made), 0))
+    if sum(job.pieces for job in jobs) == 1:
         _run(batch)
     elif _gomp[0]:
         _gomp[0][0](_RUN, batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
@@ -152,7 +126,7 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
         helper.result()
     if any(job.status for job in jobs):
         raise MemoryError("actrace kernel: out of memory for its partial sums")
-    return [_results(*outputs) for _, outputs in made]
+    return [out for _, out in made]
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

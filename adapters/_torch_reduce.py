@@ -11,6 +11,7 @@ read. A ReLU reading of a queued float32 tensor can be derived from that tensor'
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ _MAX_FIELDS = ("unit_max",)
 @dataclass
 class Pending:
     """A reading whose statistics are still tensors on the device (mergeable across chunks);
-    `stats` may also hold `update_norm`, a 0-d tensor, for parameter readings."""
+    `stats` may also hold `update_norm`, a 0-d tensor, for parameter readings. The fused kernel's
+    statistics are numpy arrays (CPU, no conversions); the torch path's are tensors on the device."""
 
     layer: str
     kind: str
@@ -60,10 +62,11 @@ class Pending:
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
         for k, v in other.stats.items():
+            lib = torch if isinstance(v, torch.Tensor) else np
             if k in _MIN_FIELDS:
-                self.stats[k] = torch.fmin(self.stats[k], v)
+                self.stats[k] = lib.fmin(self.stats[k], v)
             elif k in _MAX_FIELDS:
-                self.stats[k] = torch.fmax(self.stats[k], v)
+                self.stats[k] = lib.fmax(self.stats[k], v)
             else:
                 self.stats[k] = self.stats[k] + v
 
@@ -130,23 +133,24 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         x, axis = x.reshape(-1, 1), 1
     else:
         axis = unit_axis % x.ndim
-    dims = [d for d in range(x.ndim) if d != axis]
-    zero = torch.zeros((), dtype=torch.int64, device=x.device)
-    common = {"shape0": torch.tensor(shape[0] if shape else 1, device=x.device), "nan": zero, "inf": zero}
     pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, source=x,
                       watch=x, version=tensor_version(x))
     c = centre(bounds)
+    shape0 = shape[0] if shape else 1
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
         # one fused pass in `settle`, on torch's own OpenMP threads (threads of ours would fight
         # them: measured slower)
         if per_unit and unit_axis is not None:
-            view = x.contiguous().view(int(np.prod(shape[:axis])), shape[axis], -1)
+            view = x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1)
         else:
             view = x.contiguous().view(1, 1, -1)
         pending.fused = (view, c, histogram and per_unit)
         pending.source = None
-        pending.stats = common
+        pending.stats = {"shape0": np.array([shape0])}
         return pending
+    dims = [d for d in range(x.ndim) if d != axis]
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
+    common = {"shape0": torch.tensor(shape0, device=x.device), "nan": zero, "inf": zero}
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
         flat = x.reshape(-1)
         lo, hi = torch.aminmax(flat)
@@ -191,10 +195,10 @@ def _fuse(pending: list[Pending]) -> None:
     for p, st in zip(pending, results):
         out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
                "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
-               "nan": st["nan_inf"][0], "inf": st["nan_inf"][1]}
+               "nan": st["nan_inf"][:1], "inf": st["nan_inf"][1:]}
         if st["hist"] is not None:
             out["hist"] = st["hist"]
-        p.stats.update({k: torch.as_tensor(v) for k, v in out.items()})
+        p.stats.update(out)
         if p.derive and not st["nan_inf"].any():
             lo = np.maximum(st["min"], 0)
             relu = {**out, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
@@ -203,7 +207,7 @@ def _fuse(pending: list[Pending]) -> None:
                 hist = relu["hist"] = st["hist"].copy()
                 hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
                 hist[: bins.ZERO_BIN] = 0
-            p.relu_stats = {k: torch.as_tensor(v) for k, v in relu.items()}
+            p.relu_stats = relu
         p.fused = None
 
 
@@ -284,19 +288,28 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
         return []
     if settle(pending):
         raise RuntimeError("actrace: a tensor was changed in place before its reading was settled")
-    if all(v.device.type == "cpu" for p in pending for v in p.stats.values()):  # no transfer to batch
-        return [_finish(p, {k: v.numpy().reshape(-1).astype(np.float64) for k, v in p.stats.items()})
-                for p in pending]
-    flat = [v.reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
+    if not any(_on_device(v) for p in pending for v in p.stats.values()):
+        return [_finish(p, {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in p.stats.items()})
+                for p in pending]  # on the host already: nothing to batch
+    dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
+    flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
     host = torch.cat(flat).cpu().numpy()
     out, pos = [], 0
     for p in pending:
         vals = {}
         for k, v in p.stats.items():
-            vals[k] = host[pos: pos + v.numel()]
-            pos += v.numel()
+            vals[k] = host[pos: pos + _numel(v)]
+            pos += _numel(v)
         out.append(_finish(p, vals))
     return out
+
+
+def _on_device(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.device.type != "cpu"
+
+
+def _numel(v) -> int:
+    return v.numel() if isinstance(v, torch.Tensor) else v.size
 
 
 def _finish(p: Pending, v: dict) -> Reading:
@@ -331,10 +344,11 @@ def all_reduce(pending: list[Pending]) -> None:
         parts = [(p, k) for p in pending for k in fields if k in p.stats]
         if not parts:
             continue
-        flat = torch.cat([p.stats[k].reshape(-1).to(torch.float64) for p, k in parts])
+        flat = torch.cat([torch.as_tensor(p.stats[k]).reshape(-1).to(torch.float64) for p, k in parts])
         dist.all_reduce(flat, op=op)
         pos = 0
         for p, k in parts:
-            n = p.stats[k].numel()
-            p.stats[k] = flat[pos: pos + n].reshape(p.stats[k].shape).to(p.stats[k].dtype)
+            n = _numel(p.stats[k])
+            old, new = p.stats[k], flat[pos: pos + n].reshape(p.stats[k].shape)
+            p.stats[k] = new.to(old.dtype) if isinstance(old, torch.Tensor) else new.numpy().astype(old.dtype)
             pos += n

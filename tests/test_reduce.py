@@ -85,7 +85,7 @@ def test_a_large_tensor_cut_among_threads_gives_the_whole_tensors_statistics(sha
     x.reshape(-1)[::997] = np.nan
     x.reshape(-1)[5::1009] = -np.inf
     x[..., 0] = 0.0
-    assert len(kernel._jobs(x, 0.0, True, True, 2)[0]) == 2
+    assert kernel._job(x, 0.0, True, True, 2)[0].pieces == 2
     (got,), want = kernel.reduce_many([(x, 0.0, True, True)]), _numpy_stats(x, 0.0, True)
     for name in ("hist", "zero", "finite", "nan_inf", "min", "max", "min_dev"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
