@@ -46,13 +46,26 @@ static inline int is_finite(float v) {
     return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-/* A value's bin from the key table; -1 where it must take the exact path (keys that straddle an
- * edge, NaN, and the subnormals that share a key with ±0: 0 < |bits| < 2^shift). No branch:
+/* Whether any of n values is subnormal: a vectorized look that spares the histogram's loop its
+ * test in the usual case of none. */
+INLINE int any_subnormal(const float *p, int64_t n) {
+    int any = 0;
+    for (int64_t a = 0; a < n; a++) {
+        uint32_t bits;
+        memcpy(&bits, p + a, 4);
+        any |= ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0); /* & not &&: no branch */
+    }
+    return any;
+}
+
+/* A value's bin from the key table; -1 where it must take the exact path: keys that straddle an
+ * edge, NaN and ±inf, and (with `subnormals`) the subnormals that share a key with ±0. No branch:
  * zeros and other values mix at random in a ReLU's output. */
-INLINE int fast_bin(const Bins *b, uint32_t bits) {
+INLINE int fast_bin(const Bins *b, uint32_t bits, const int subnormals) {
     int bin = b->key_bin[bits >> b->shift];
-    int tiny = (bits & 0x7fffffffu) - 1u < (1u << b->shift) - 1u;
-    return bin | -tiny;
+    if (!subnormals) return bin;
+    int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0);
+    return bin | -subnormal;
 }
 
 /* Count one value whose fast bin is `bin` (-1: the exact path); returns 1 for a NaN. */
@@ -66,13 +79,16 @@ INLINE int count_one(const Bins *b, int64_t *part, float v, int bin) {
 /* Histogram of n contiguous values; returns how many were NaN. The table maps zero's keys to the
  * zero bin, so the common path has no data-dependent branch. Four copies of the histogram, one
  * per value of a group of four, keep runs of equal values (zeros of a ReLU) from waiting on each
- * other's stores. */
-static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
+ * other's stores. `subnormals` is a constant at each call: the compiler makes a loop without the
+ * subnormal test. */
+INLINE int64_t count_loop(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n,
+                          const int subnormals) {
     int64_t nan = 0, a = 0;
     for (; a + 4 <= n; a += 4) {
         uint32_t w[4];
         memcpy(w, p + a, sizeof w);
-        int k[4] = {fast_bin(b, w[0]), fast_bin(b, w[1]), fast_bin(b, w[2]), fast_bin(b, w[3])};
+        int k[4] = {fast_bin(b, w[0], subnormals), fast_bin(b, w[1], subnormals), fast_bin(b, w[2], subnormals),
+                    fast_bin(b, w[3], subnormals)};
         if (__builtin_expect((k[0] | k[1] | k[2] | k[3]) >= 0, 1)) {
             part[0][k[0]]++; part[1][k[1]]++; part[2][k[2]]++; part[3][k[3]]++;
         } else {
@@ -82,9 +98,13 @@ static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float 
     for (; a < n; a++) {
         uint32_t bits;
         memcpy(&bits, p + a, 4);
-        nan += count_one(b, part[a & 3], p[a], fast_bin(b, bits));
+        nan += count_one(b, part[a & 3], p[a], fast_bin(b, bits, 1));
     }
     return nan;
+}
+
+INLINE int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
+    return any_subnormal(p, n) ? count_loop(b, part, p, n, 1) : count_loop(b, part, p, n, 0);
 }
 
 /* Double sums of a block whose float squares could overflow (values above BIG). */

@@ -164,7 +164,7 @@ def test_the_fused_kernel_equals_the_numpy_path(data):
     shape = data.draw(st.sampled_from([(7, 5, 1), (3, 4, 6), (1, 1, 40), (2, 3, 1)]))
     x = data.draw(hnp.arrays(np.float32, shape, elements=st.one_of(
         st.floats(-1e6, 1e6, width=32), st.just(0.0),
-        st.sampled_from([np.nan, np.inf, -np.inf, 0.99, -0.999, 3e19, -3e19]))))
+        st.sampled_from([np.nan, np.inf, -np.inf, 0.99, -0.999, 3e19, -3e19, 1e-40, -1e-45]))))
     c = data.draw(st.sampled_from([0.0, 0.5]))
     got, want = kernel.reduce_f32(x, c, True, relu=True), _numpy_stats(x, c, True)
     with np.errstate(invalid="ignore"):
