@@ -117,7 +117,7 @@ static void sums_in_double(const float *p, int64_t n, int64_t stride, double *s,
     }
 }
 
-typedef struct { /* per-unit (or per-column) outputs; the r* (relu(x)) ones are unused without relu */
+typedef struct { /* per-unit outputs; the r* (relu(x)) ones are unused without relu */
     double *sum, *sumsq, *rsum, *rsumsq;
     float *mn, *mx, *mindev;
     int64_t *zero, *finite, *rzero;

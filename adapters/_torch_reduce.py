@@ -31,9 +31,9 @@ _MAX_FIELDS = ("unit_max",)
 
 @dataclass
 class Pending:
-    """A reading whose statistics are still tensors on the device (mergeable across chunks);
-    `stats` may also hold `update_norm`, a 0-d tensor, for parameter readings. The fused kernel's
-    statistics are numpy arrays (CPU, no conversions); the torch path's are tensors on the device."""
+    """A reading whose statistics are not on the host yet (mergeable across chunks): numpy arrays
+    from the fused kernel, tensors on the device from the torch path. `stats` may also hold
+    `update_norm`, a 0-d tensor, for parameter readings."""
 
     layer: str
     kind: str
@@ -176,7 +176,7 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         s["unit_min_dev"] = torch.abs(dev, out=work).amin(dims)
     pending.stats = s
     if histogram and x.device.type == "cpu":
-        pending.hist_source = x  # counted in `settle`, two tensors at a time, after the forward
+        pending.hist_source = x  # counted in `settle`, two tensors at a time
     elif histogram:
         s["hist"] = bucketize_histogram(x)
     return pending
@@ -216,8 +216,8 @@ def _units(p: Pending) -> int:
 
 
 def _cpu_histogram(p: Pending) -> torch.Tensor:
-    """The core's numpy histogram: it runs without the GIL, so two of them share the cores after
-    the forward (torch kernels in these threads would start OpenMP teams that spin beside torch's)."""
+    """The core's numpy histogram: it runs without the GIL, so two of them share the cores (torch
+    kernels in these threads would start OpenMP teams that spin beside torch's)."""
     return torch.from_numpy(bins.histogram(p.hist_source.contiguous().numpy(), int(p.stats["unit_zero"].sum())))
 
 
@@ -249,25 +249,30 @@ def _stale(p: Pending) -> bool:
     return p.watch is not None and p.version is not None and tensor_version(p.watch) != p.version
 
 
+def _drop_stale(pending: list[Pending]) -> list[Pending]:
+    """The readings whose tensor moved, no longer to be read from it."""
+    stale = [p for p in pending if _stale(p)]
+    for p in stale:
+        p.fused = p.hist_source = p.source = None
+    return stale
+
+
 def settle(pending: list[Pending]) -> list[Pending]:
     """Finish readings whose tensors are about to be freed: fused passes on every thread (ReLU
     readings derived from their input's pass where they can be), histograms of other CPU tensors
     on two, then one host sync for the whole batch to find readings with a NaN or Inf (a
-    non-finite sum of squares), which are re-counted exactly. Drops the tensor references. Returns the readings
-    whose tensor was changed in place since it was queued: they are not read."""
-    stale = [p for p in pending if p.derived_from is None and _stale(p)]
-    for p in stale:
-        p.fused = p.hist_source = None
+    non-finite sum of squares), which are re-counted exactly. Drops the tensor references. Returns
+    the readings whose tensor was changed in place since it was queued: they are not read."""
+    stale = _drop_stale([p for p in pending if p.derived_from is None])
     _fuse([p for p in pending if p.fused is not None and p.derived_from is None])
     for p in pending:
         if p.fused is not None and p.derived_from is not None and p.derived_from.relu_stats is not None:
             p.stats.update(p.derived_from.relu_stats)
             p.fused = None
         p.derived_from = None
-    stale += [p for p in pending if p.fused is not None and _stale(p)]
-    for p in stale:
-        p.fused = p.hist_source = p.source = None
-    _fuse([p for p in pending if p.fused is not None])  # derivations that could not be
+    rest = [p for p in pending if p.fused is not None]  # derivations that could not be
+    stale += _drop_stale(rest)
+    _fuse([p for p in rest if p.fused is not None])
     due = [p for p in pending if p.hist_source is not None]
     for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
         p.stats["hist"] = hist
