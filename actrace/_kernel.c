@@ -9,18 +9,19 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
 #define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
 #define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
 #define MAX_BINS 160 /* at least the spec's 141 */
+#define KEY_SHIFT 14 /* SHIFT in kernel.py */
+#define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
+#define CARRY (256 - MAX_BINS) /* bin + CARRY reaches 256 (bit 8) for EXACT only: one test for four bins */
 #define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
-    const int16_t *key_bin;   /* per key (float bits >> shift): its bin, -1 if the key straddles an edge */
-    int shift;
+    const uint8_t *key_bin;   /* per key (float bits >> KEY_SHIFT): its bin, EXACT if the key straddles an edge */
     const double *edges;      /* the spec's magnitude edges, ascending */
     int n_edges;
     int zero_bin, n_bins;
@@ -58,19 +59,19 @@ INLINE int any_subnormal(const float *p, int64_t n) {
     return any;
 }
 
-/* A value's bin from the key table; -1 where it must take the exact path: keys that straddle an
+/* A value's bin from the key table; EXACT where it must take the exact path: keys that straddle an
  * edge, NaN and ±inf, and (with `subnormals`) the subnormals that share a key with ±0. No branch:
  * zeros and other values mix at random in a ReLU's output. */
 INLINE int fast_bin(const Bins *b, uint32_t bits, const int subnormals) {
-    int bin = b->key_bin[bits >> b->shift];
+    int bin = b->key_bin[bits >> KEY_SHIFT];
     if (!subnormals) return bin;
     int subnormal = ((bits & 0x7f800000u) == 0) & ((bits & 0x007fffffu) != 0);
-    return bin | -subnormal;
+    return bin | (-subnormal & EXACT);
 }
 
-/* Count one value whose fast bin is `bin` (-1: the exact path); returns 1 for a NaN. */
+/* Count one value whose fast bin is `bin` (EXACT: the exact path); returns 1 for a NaN. */
 INLINE int count_one(const Bins *b, int64_t *part, float v, int bin) {
-    if (bin < 0) bin = exact_bin(b, v);
+    if (bin == EXACT) bin = exact_bin(b, v);
     if (bin < 0) return 1;
     part[bin]++;
     return 0;
@@ -87,12 +88,16 @@ INLINE int64_t count_loop(const Bins *b, int64_t (*part)[MAX_BINS], const float 
     for (; a + 4 <= n; a += 4) {
         uint32_t w[4];
         memcpy(w, p + a, sizeof w);
-        int k[4] = {fast_bin(b, w[0], subnormals), fast_bin(b, w[1], subnormals), fast_bin(b, w[2], subnormals),
-                    fast_bin(b, w[3], subnormals)};
-        if (__builtin_expect((k[0] | k[1] | k[2] | k[3]) >= 0, 1)) {
-            part[0][k[0]]++; part[1][k[1]]++; part[2][k[2]]++; part[3][k[3]]++;
+        int k0 = fast_bin(b, w[0], subnormals), k1 = fast_bin(b, w[1], subnormals),
+            k2 = fast_bin(b, w[2], subnormals), k3 = fast_bin(b, w[3], subnormals);
+        if (__builtin_expect(((k0 + CARRY) | (k1 + CARRY) | (k2 + CARRY) | (k3 + CARRY)) & 256, 0)) {
+            for (int j = 0; j < 4; j++) {
+                uint32_t bits;
+                memcpy(&bits, p + a + j, 4);
+                nan += count_one(b, part[j], p[a + j], fast_bin(b, bits, 1));
+            }
         } else {
-            for (int j = 0; j < 4; j++) nan += count_one(b, part[j], p[a + j], k[j]);
+            part[0][k0]++; part[1][k1]++; part[2][k2]++; part[3][k3]++;
         }
     }
     for (; a < n; a++) {
@@ -123,72 +128,7 @@ typedef struct { /* per-unit outputs; the r* (relu(x)) ones are unused without r
     int64_t *zero, *finite, *rzero;
 } Out;
 
-typedef struct { float *s, *ss, *rs, *rss; int32_t *z, *f, *rz; } Partials; /* float partials, one per column */
-
 typedef struct { const Bins *b; int64_t (*part)[MAX_BINS]; int on; int64_t nan; } Hist;
-
-/* One row into the float partials; restrict parameters let the loop vectorize without runtime
- * alias checks (too many of them for the relu variant otherwise). */
-INLINE int dense_row(const float *restrict row, int64_t units, float centre, float *restrict ps,
-                     float *restrict pss, float *restrict prs, float *restrict prss, int32_t *restrict pz,
-                     int32_t *restrict pf, int32_t *restrict prz, float *restrict mn, float *restrict mx,
-                     float *restrict mindev, const int relu) {
-    int big = 0;
-    for (int64_t u = 0; u < units; u++) {
-        float v = row[u];
-        int f = is_finite(v);
-        float vf = f ? v : 0.0f;
-        float d = fabsf(v - centre);
-        ps[u] += vf;
-        pss[u] += vf * vf;
-        big |= fabsf(vf) > BIG;
-        mn[u] = (f & (v < mn[u])) ? v : mn[u];
-        mx[u] = (f & (v > mx[u])) ? v : mx[u];
-        mindev[u] = (f & (d < mindev[u])) ? d : mindev[u];
-        pz[u] += v == 0.0f;
-        pf[u] += f;
-        if (relu) {
-            float vp = vf > 0.0f ? vf : 0.0f;
-            prs[u] += vp;
-            prss[u] += vp * vp;
-            prz[u] += f & (v <= 0.0f);
-        }
-    }
-    return big;
-}
-
-/* Dense [rows, units] into per-column outputs: blocks of ROWS rows summed in float, then in
- * double. `relu` is a constant at each call, so the compiler makes a loop without the relu sums. */
-INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float centre, const Out *o,
-                  const Partials *w, const int relu) {
-    for (int64_t i0 = 0; i0 < rows; i0 += ROWS) {
-        int64_t i1 = i0 + ROWS < rows ? i0 + ROWS : rows;
-        memset(w->s, 0, units * sizeof(float)); memset(w->ss, 0, units * sizeof(float));
-        memset(w->z, 0, units * sizeof(int32_t)); memset(w->f, 0, units * sizeof(int32_t));
-        if (relu) {
-            memset(w->rs, 0, units * sizeof(float)); memset(w->rss, 0, units * sizeof(float));
-            memset(w->rz, 0, units * sizeof(int32_t));
-        }
-        int big = 0;
-        for (int64_t i = i0; i < i1; i++) {
-            big |= dense_row(x + i * units, units, centre, w->s, w->ss, w->rs, w->rss, w->z, w->f, w->rz, o->mn,
-                             o->mx, o->mindev, relu);
-            if (h->on) h->nan += count_bins(h->b, h->part, x + i * units, units);
-        }
-        for (int64_t u = 0; u < units; u++) {
-            if (big) {
-                double r0 = 0, r1 = 0;
-                sums_in_double(x + i0 * units + u, i1 - i0, units, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
-                if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
-            } else {
-                o->sum[u] += w->s[u]; o->sumsq[u] += w->ss[u];
-                if (relu) { o->rsum[u] += w->rs[u]; o->rsumsq[u] += w->rss[u]; }
-            }
-            o->zero[u] += w->z[u]; o->finite[u] += w->f[u];
-            if (relu) o->rzero[u] += w->rz[u];
-        }
-    }
-}
 
 typedef float v8f __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX2 or SSE2 pairs */
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -243,12 +183,13 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                     lanes_step(&l, t, &valid, centre, relu);
                 }
                 int big = 0;
+                const Lanes r = l; /* read lane by lane: a copy keeps l itself in registers */
                 for (int j = 0; j < 8; j++) {
-                    o->mn[u] = fminf(o->mn[u], l.lo[j]); o->mx[u] = fmaxf(o->mx[u], l.hi[j]);
-                    o->mindev[u] = fminf(o->mindev[u], l.dev[j]);
-                    o->zero[u] += l.z[j]; o->finite[u] += l.f[j];
-                    big |= l.big[j] > BIG;
-                    if (relu) o->rzero[u] += l.rz[j];
+                    o->mn[u] = fminf(o->mn[u], r.lo[j]); o->mx[u] = fmaxf(o->mx[u], r.hi[j]);
+                    o->mindev[u] = fminf(o->mindev[u], r.dev[j]);
+                    o->zero[u] += r.z[j]; o->finite[u] += r.f[j];
+                    big |= r.big[j] > BIG;
+                    if (relu) o->rzero[u] += r.rz[j];
                 }
                 if (big) {
                     double r0 = 0, r1 = 0;
@@ -257,11 +198,77 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                     continue;
                 }
                 for (int j = 0; j < 8; j++) {
-                    o->sum[u] += l.s[j]; o->sumsq[u] += l.ss[j];
-                    if (relu) { o->rsum[u] += l.rs[j]; o->rsumsq[u] += l.rss[j]; }
+                    o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
+                    if (relu) { o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
                 }
             }
             if (h->on) h->nan += count_bins(h->b, h->part, p, after);
+        }
+    }
+}
+
+/* The first m (<= 8) floats at p as a vector, the rest zero. */
+INLINE v8f load8(const float *p, int m) {
+    float t[8] = {0};
+    v8f v;
+    memcpy(t, p, m * sizeof(float));
+    memcpy(&v, t, sizeof v);
+    return v;
+}
+
+/* Columns u0 .. u0 + m - 1 (m <= 8) of rows i0 .. i1 - 1, summed in the lanes `l`, into the outputs. */
+INLINE void fold_columns(const Lanes *l, const float *x, int64_t i0, int64_t i1, int64_t units, int64_t u0, int m,
+                         const Out *o, const int relu) {
+    const Lanes r = *l; /* read lane by lane: a copy keeps the caller's lanes in registers */
+    for (int j = 0; j < m; j++) {
+        int64_t u = u0 + j;
+        o->mn[u] = r.lo[j]; o->mx[u] = r.hi[j]; o->mindev[u] = r.dev[j];
+        o->zero[u] += r.z[j]; o->finite[u] += r.f[j];
+        if (relu) o->rzero[u] += r.rz[j];
+        if (r.big[j] > BIG) {
+            double r0 = 0, r1 = 0;
+            sums_in_double(x + i0 * units + u, i1 - i0, units, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
+            if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
+        } else {
+            o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
+            if (relu) { o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
+        }
+    }
+}
+
+/* Dense [rows, units] (the unit axis last), a block of ROWS rows at a time: the block is
+ * histogrammed row by row (which also brings it into cache), then sixteen columns at a time (a
+ * cache line) walk down it with their sums in vector registers, a lane per column, then in double.
+ * `relu` is a constant at each call. */
+INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float centre, const Out *o,
+                  const int relu) {
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7}, all = lane >= 0;
+    for (int64_t i0 = 0; i0 < rows; i0 += ROWS) {
+        int64_t i1 = i0 + ROWS < rows ? i0 + ROWS : rows;
+        for (int64_t i = i0; i < i1; i++) {
+            if (h->on) h->nan += count_bins(h->b, h->part, x + i * units, units);
+            else for (int64_t u = 0; u < units; u += 16) __builtin_prefetch(x + i * units + u);
+        }
+        for (int64_t u0 = 0; u0 < units; u0 += 16) {
+            int left = units - u0 < 16 ? (int)(units - u0) : 16, m0 = left < 8 ? left : 8, m1 = left - m0;
+            v8i valid0 = lane < m0, valid1 = lane < m1;
+            Lanes a = {.lo = load8(o->mn + u0, m0), .hi = load8(o->mx + u0, m0), .dev = load8(o->mindev + u0, m0)};
+            Lanes b = {.lo = load8(o->mn + u0 + m0, m1), .hi = load8(o->mx + u0 + m0, m1),
+                       .dev = load8(o->mindev + u0 + m0, m1)};
+            for (int64_t i = i0; i < i1; i++) {
+                const float *row = x + i * units + u0;
+                if (left == 16) {
+                    lanes_step(&a, row, &all, centre, relu);
+                    lanes_step(&b, row + 8, &all, centre, relu);
+                } else { /* the last columns: partial vectors */
+                    float t[16] = {0};
+                    memcpy(t, row, left * sizeof(float));
+                    lanes_step(&a, t, &valid0, centre, relu);
+                    lanes_step(&b, t + 8, &valid1, centre, relu);
+                }
+            }
+            fold_columns(&a, x, i0, i1, units, u0, m0, o, relu);
+            fold_columns(&b, x, i0, i1, units, u0 + m0, m1, o, relu);
         }
     }
 }
@@ -272,7 +279,6 @@ typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or
     int64_t before, units, after;
     float centre;
     int32_t pieces, relu, hist;
-    int32_t status;   /* 0 done, -1 out of memory */
     int32_t done;     /* pieces finished: the last one merges the rows into row 0 */
     double *f64;      /* per piece: sum, sumsq, rsum, rsumsq (each `units` long), zeroed by the caller */
     float *f32;       /* per piece: min, max, min |x - centre| */
@@ -288,7 +294,7 @@ typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static int reduce_piece(const Bins *b, const Job *j, int64_t k) {
+static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
     int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
     int along_before = j->before >= j->pieces;
     int64_t span = along_before ? j->before : j->after, lo = span * k / j->pieces, hi = span * (k + 1) / j->pieces;
@@ -303,14 +309,10 @@ static int reduce_piece(const Bins *b, const Job *j, int64_t k) {
     memset(part, 0, sizeof part);
     Hist h = {b, part, hist != NULL, 0};
     int64_t total = before * units * after, fin_total = 0, nan;
-    if (after == 1) {
-        float *pf = malloc(units * sizeof(float) * 4);
-        int32_t *pi = malloc(units * sizeof(int32_t) * 3);
-        if (!pf || !pi) { free(pf); free(pi); return -1; }
-        Partials w = {pf, pf + units, pf + 2 * units, pf + 3 * units, pi, pi + units, pi + 2 * units};
-        if (j->relu) dense(&h, x, before, units, j->centre, &o, &w, 1);
-        else dense(&h, x, before, units, j->centre, &o, &w, 0);
-        free(pf); free(pi);
+    if (after == 1 && j->relu) {
+        dense(&h, x, before, units, j->centre, &o, 1);
+    } else if (after == 1) {
+        dense(&h, x, before, units, j->centre, &o, 0);
     } else if (j->relu) {
         runs(&h, x, before, units, after, j->centre, &o, 1);
     } else {
@@ -325,7 +327,6 @@ static int reduce_piece(const Bins *b, const Job *j, int64_t k) {
     }
     nan_inf[0] = nan;
     nan_inf[1] = total - fin_total - nan;
-    return 0;
 }
 
 /* Row 0 takes every piece's row (sums and counts add, extremes take the extreme); a unit with no
@@ -357,7 +358,7 @@ void actrace_run_batch(void *data) {
         while (job < batch->n && i >= batch->jobs[job].pieces) i -= batch->jobs[job++].pieces;
         if (job >= batch->n) return;
         Job *j = &batch->jobs[job];
-        if (reduce_piece(&batch->bins, j, i)) j->status = -1; /* only ever set, so no race matters */
+        reduce_piece(&batch->bins, j, i);
         if (__atomic_add_fetch(&j->done, 1, __ATOMIC_ACQ_REL) == j->pieces) merge_rows(&batch->bins, j);
     }
 }

@@ -17,20 +17,21 @@ import numpy as np
 
 from . import bins
 
-SHIFT = 14  # key = float32 bits >> SHIFT: 2^18 keys, a 512 KiB table of bins
+SHIFT = 14  # (KEY_SHIFT in _kernel.c) key = float32 bits >> SHIFT: 2^18 keys, a 256 KiB table of bins
+EXACT = 255  # in the table: the key straddles an edge (EXACT in _kernel.c)
 
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Bins(ctypes.Structure):
-    _fields_ = [("key_bin", _P), ("shift", ctypes.c_int), ("edges", _P), ("n_edges", ctypes.c_int),
+    _fields_ = [("key_bin", _P), ("edges", _P), ("n_edges", ctypes.c_int),
                 ("zero_bin", ctypes.c_int), ("n_bins", ctypes.c_int)]
 
 
 class _Job(ctypes.Structure):  # Job in _kernel.c
     _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float)] + \
-        [(name, ctypes.c_int32) for name in ("pieces", "relu", "hist", "status", "done")] + \
+        [(name, ctypes.c_int32) for name in ("pieces", "relu", "hist", "done")] + \
         [("f64", _P), ("f32", _P), ("i64", _P)]
 
 
@@ -61,8 +62,8 @@ def _openmp():
 
 
 def _key_table() -> np.ndarray:
-    """Each key's bin where every float32 with that key lands in one bin, else -1 (exact path)."""
-    assert bins.N_BINS <= 160, "MAX_BINS in _kernel.c"
+    """Each key's bin where every float32 with that key lands in one bin, else EXACT (exact path)."""
+    assert bins.N_BINS <= 160 < EXACT, "MAX_BINS in _kernel.c"
     keys = np.arange(1 << (32 - SHIFT), dtype=np.uint64)
     first = (keys << SHIFT).astype(np.uint32).view(np.float32)
     last = ((keys << SHIFT) | ((1 << SHIFT) - 1)).astype(np.uint32).view(np.float32)
@@ -70,7 +71,7 @@ def _key_table() -> np.ndarray:
         same = ~np.isnan(first) & ~np.isnan(last)
         b_first = np.where(same, bins.bin_index(np.where(same, first, 0)), -1)
         b_last = np.where(same, bins.bin_index(np.where(same, last, 0)), -1)
-    table = np.where(same & (b_first == b_last), b_first, -1).astype(np.int16)
+    table = np.where(same & (b_first == b_last), b_first, EXACT).astype(np.uint8)
     table[[0, 1 << (31 - SHIFT)]] = bins.ZERO_BIN  # ±0's keys; the kernel sends their subnormals the exact way
     return table
 
@@ -80,7 +81,7 @@ available = _run is not None
 _RUN = ctypes.cast(_run, _P) if available else None
 _TABLE = _key_table() if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
-_BINS = _Bins(_TABLE.ctypes.data, SHIFT, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
+_BINS = _Bins(_TABLE.ctypes.data, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
     if available else None
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actrace-kernel")
 _gomp: list = []  # [(GOMP_parallel, omp_get_max_threads) or None], looked up at the first batch
@@ -97,7 +98,7 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     f64 = np.zeros((pieces, 4, units))
     f32 = np.empty((pieces, 3, units), np.float32)
     i64 = np.zeros((pieces, 3 * units + bins.N_BINS + 2), np.int64)
-    job = _Job(x3.ctypes.data, before, units, after, centre, pieces, relu, histogram, 0, 0,
+    job = _Job(x3.ctypes.data, before, units, after, centre, pieces, relu, histogram, 0,
                f64.ctypes.data, f32.ctypes.data, i64.ctypes.data)
     (d, f, i) = (f64[0], f32[0], i64[0])
     out = {"sum": d[0], "sumsq": d[1], "min": f[0], "max": f[1], "min_dev": f[2], "zero": i[:units],
@@ -124,8 +125,6 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
         helper = _pool.submit(_run, batch)
         _run(batch)
         helper.result()
-    if any(job.status for job in jobs):
-        raise MemoryError("actrace kernel: out of memory for its partial sums")
     return [out for _, out in made]
 
 
