@@ -1,6 +1,6 @@
 /* One fused pass over a float32 tensor: every per-unit reduction of spec/trace-v1.md §Columns and
- * the fixed histogram, with no temporaries. Called through ctypes (which releases the GIL, so two
- * tensors reduce at once on two cores); actrace/kernel.py owns the tables and the fallback.
+ * the fixed histogram, with no temporaries. Called through ctypes by actrace/kernel.py, which runs
+ * a batch on every thread and owns the tables and the fallback.
  * The tensor is viewed as (before, units, after): the unit axis in the middle, contiguous.
  * Optionally the same pass also gives the sums and zero counts of relu(x), so a ReLU that reads a
  * recorded tensor needs no pass of its own. */
@@ -13,7 +13,6 @@
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
 #define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
-#define BIG 1.0e18f  /* above this, float squares can overflow: such a block is summed in double */
 #define MAX_BINS 160 /* at least the spec's 141 */
 #define KEY_SHIFT 14 /* SHIFT in kernel.py */
 #define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
@@ -112,16 +111,6 @@ INLINE int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float 
     return any_subnormal(p, n) ? count_loop(b, part, p, n, 1) : count_loop(b, part, p, n, 0);
 }
 
-/* Double sums of a block whose float squares could overflow (values above BIG). */
-static void sums_in_double(const float *p, int64_t n, int64_t stride, double *s, double *ss, double *rs,
-                           double *rss) {
-    for (int64_t k = 0; k < n; k++) {
-        double v = is_finite(p[k * stride]) ? p[k * stride] : 0.0, vp = v > 0 ? v : 0.0;
-        *s += v; *ss += v * v;
-        if (rs) { *rs += vp; *rss += vp * vp; }
-    }
-}
-
 typedef struct { /* per-unit outputs; the r* (relu(x)) ones are unused without relu */
     double *sum, *sumsq, *rsum, *rsumsq;
     float *mn, *mx, *mindev;
@@ -130,37 +119,57 @@ typedef struct { /* per-unit outputs; the r* (relu(x)) ones are unused without r
 
 typedef struct { const Bins *b; int64_t (*part)[MAX_BINS]; int on; int64_t nan; } Hist;
 
+/* Unit u's n values p[0], p[stride], ... one at a time, sums in double, non-finite values left
+ * out: the rare block whose float lanes met a NaN or an Inf, or whose squares overflowed float. */
+static void exact_values(const float *p, int64_t n, int64_t stride, float centre, const Out *o, int64_t u,
+                         const int relu) {
+    for (int64_t k = 0; k < n; k++) {
+        float v = p[k * stride];
+        if (!is_finite(v)) continue;
+        double dv = v, vp = dv > 0 ? dv : 0.0;
+        o->sum[u] += dv; o->sumsq[u] += dv * dv;
+        o->mn[u] = fminf(o->mn[u], v); o->mx[u] = fmaxf(o->mx[u], v);
+        o->mindev[u] = fminf(o->mindev[u], fabsf(v - centre));
+        o->zero[u] += v == 0.0f; o->finite[u]++;
+        if (relu) { o->rsum[u] += vp; o->rsumsq[u] += vp * vp; o->rzero[u] += v <= 0.0f; }
+    }
+}
+
 typedef float v8f __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX2 or SSE2 pairs */
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef struct { v8f s, ss, rs, rss, lo, hi, dev, big; v8i z, f, rz; } Lanes;
+typedef struct { v8f s, ss, rs, rss, lo, hi, dev; v8i z, bad, rz; } Lanes;
 
 #define PICK(m, a, b) ((v8f)(((m) & (v8i)(a)) | (~(m) & (v8i)(b)))) /* lanes of a where m, else of b */
 
-/* Eight values into the lane accumulators; lanes outside `valid` (a run's tail) count as nothing.
- * Comparisons give -1 per true lane, hence the subtractions. (Pointers, not vector arguments:
- * the default-target build has no vector registers of this size to pass them in.) */
+/* Eight values into the lane accumulators; lanes outside `valid` (a tail) count as nothing. No test
+ * for NaN or Inf but a count of them (`bad`): a block that has any is done again by
+ * `exact_values`, so the common loop stays short. Comparisons give -1 per true lane, hence the
+ * subtractions. (Pointers, not vector arguments: the default-target build has no vector registers
+ * of this size to pass them in.) */
 INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float centre, const int relu) {
-    v8f v, c = {0};
+    v8f v, c = {0}, zero = {0};
     v8i valid = *validp;
     memcpy(&v, src, sizeof v);
     c += centre;
-    v8i fin = (((v8i)v & 0x7f800000) != 0x7f800000) & valid;
-    v8f vf = (v8f)((v8i)v & fin), zero = {0};
-    v8f mag = (v8f)((v8i)vf & 0x7fffffff), d = (v8f)((v8i)(v - c) & 0x7fffffff);
-    l->s += vf;
-    l->ss += vf * vf;
-    l->big = PICK(mag > l->big, mag, l->big);
-    l->lo = PICK(fin & (v < l->lo), v, l->lo);
-    l->hi = PICK(fin & (v > l->hi), v, l->hi);
-    l->dev = PICK(fin & (d < l->dev), d, l->dev);
+    v8f vs = (v8f)((v8i)v & valid), d = (v8f)((v8i)(v - c) & 0x7fffffff);
+    l->s += vs;
+    l->ss += vs * vs;
+    l->lo = PICK(valid & (v < l->lo), v, l->lo);
+    l->hi = PICK(valid & (v > l->hi), v, l->hi);
+    l->dev = PICK(valid & (d < l->dev), d, l->dev);
     l->z -= (v == zero) & valid;
-    l->f -= fin;
+    l->bad -= (((v8i)v & 0x7f800000) == 0x7f800000) & valid;
     if (relu) {
-        v8f vp = PICK(vf > zero, vf, zero);
+        v8f vp = PICK(vs > zero, vs, zero);
         l->rs += vp;
         l->rss += vp * vp;
-        l->rz -= fin & (v <= zero);
+        l->rz -= (v <= zero) & valid;
     }
+}
+
+/* Whether lane j's float sums stand: no NaN or Inf met, no square overflowed. */
+INLINE int lane_ok(const Lanes *r, int j) {
+    return r->bad[j] == 0 && is_finite(r->ss[j]);
 }
 
 /* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit):
@@ -182,24 +191,20 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                     memcpy(t, p + a0 + k, (n - k) * sizeof(float));
                     lanes_step(&l, t, &valid, centre, relu);
                 }
-                int big = 0;
                 const Lanes r = l; /* read lane by lane: a copy keeps l itself in registers */
+                int ok = 1;
+                for (int j = 0; j < 8; j++) ok &= lane_ok(&r, j);
+                if (!ok) {
+                    exact_values(p + a0, n, 1, centre, o, u, relu);
+                    continue;
+                }
+                o->finite[u] += n;
                 for (int j = 0; j < 8; j++) {
                     o->mn[u] = fminf(o->mn[u], r.lo[j]); o->mx[u] = fmaxf(o->mx[u], r.hi[j]);
                     o->mindev[u] = fminf(o->mindev[u], r.dev[j]);
-                    o->zero[u] += r.z[j]; o->finite[u] += r.f[j];
-                    big |= r.big[j] > BIG;
-                    if (relu) o->rzero[u] += r.rz[j];
-                }
-                if (big) {
-                    double r0 = 0, r1 = 0;
-                    sums_in_double(p + a0, n, 1, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
-                    if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
-                    continue;
-                }
-                for (int j = 0; j < 8; j++) {
+                    o->zero[u] += r.z[j];
                     o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
-                    if (relu) { o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
+                    if (relu) { o->rzero[u] += r.rz[j]; o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
                 }
             }
             if (h->on) h->nan += count_bins(h->b, h->part, p, after);
@@ -218,21 +223,18 @@ INLINE v8f load8(const float *p, int m) {
 
 /* Columns u0 .. u0 + m - 1 (m <= 8) of rows i0 .. i1 - 1, summed in the lanes `l`, into the outputs. */
 INLINE void fold_columns(const Lanes *l, const float *x, int64_t i0, int64_t i1, int64_t units, int64_t u0, int m,
-                         const Out *o, const int relu) {
+                         float centre, const Out *o, const int relu) {
     const Lanes r = *l; /* read lane by lane: a copy keeps the caller's lanes in registers */
     for (int j = 0; j < m; j++) {
         int64_t u = u0 + j;
-        o->mn[u] = r.lo[j]; o->mx[u] = r.hi[j]; o->mindev[u] = r.dev[j];
-        o->zero[u] += r.z[j]; o->finite[u] += r.f[j];
-        if (relu) o->rzero[u] += r.rz[j];
-        if (r.big[j] > BIG) {
-            double r0 = 0, r1 = 0;
-            sums_in_double(x + i0 * units + u, i1 - i0, units, &o->sum[u], &o->sumsq[u], relu ? &r0 : NULL, &r1);
-            if (relu) { o->rsum[u] += r0; o->rsumsq[u] += r1; }
-        } else {
-            o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
-            if (relu) { o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
+        if (!lane_ok(&r, j)) {
+            exact_values(x + i0 * units + u, i1 - i0, units, centre, o, u, relu);
+            continue;
         }
+        o->mn[u] = r.lo[j]; o->mx[u] = r.hi[j]; o->mindev[u] = r.dev[j];
+        o->zero[u] += r.z[j]; o->finite[u] += i1 - i0;
+        o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
+        if (relu) { o->rzero[u] += r.rz[j]; o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
     }
 }
 
@@ -267,8 +269,8 @@ INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float ce
                     lanes_step(&b, t + 8, &valid1, centre, relu);
                 }
             }
-            fold_columns(&a, x, i0, i1, units, u0, m0, o, relu);
-            fold_columns(&b, x, i0, i1, units, u0 + m0, m1, o, relu);
+            fold_columns(&a, x, i0, i1, units, u0, m0, centre, o, relu);
+            fold_columns(&b, x, i0, i1, units, u0 + m0, m1, centre, o, relu);
         }
     }
 }
@@ -287,12 +289,13 @@ typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or
 
 typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
 
-/* One piece of a job into its row. Non-finite values are kept out of every statistic
- * (branch-free, so the loops vectorize) and counted as NaN or ±inf; rsum, rsumsq and rzero are the
- * sums of relu(x) over finite values and how many finite values are <= 0. Built for AVX2 and for
- * plain x86-64 where the compiler can, the loader picking what the CPU runs. */
+/* One piece of a job into its row. Non-finite values are kept out of every statistic and counted
+ * as NaN or ±inf; rsum, rsumsq and rzero are the sums of relu(x) over finite values and how many
+ * finite values are <= 0. Built for x86-64-v4 (AVX-512's 32 vector registers hold both column
+ * groups' sums), v3 (AVX2, FMA) and plain x86-64 where the compiler can, the loader picking what
+ * the CPU runs. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
     int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
