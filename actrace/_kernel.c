@@ -137,14 +137,14 @@ static void exact_values(const float *p, int64_t n, int64_t stride, float centre
 
 typedef float v8f __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX2 or SSE2 pairs */
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef struct { v8f s, ss, rs, rss, lo, hi, dev; v8i z, bad, rz; } Lanes;
+typedef struct { v8f s, ss, rs, rss, lo, hi, dev; v8i z, rz; } Lanes;
 
 #define PICK(m, a, b) ((v8f)(((m) & (v8i)(a)) | (~(m) & (v8i)(b)))) /* lanes of a where m, else of b */
 
 /* Eight values into the lane accumulators; lanes outside `valid` (a tail) count as nothing. No test
- * for NaN or Inf but a count of them (`bad`): a block that has any is done again by
- * `exact_values`, so the common loop stays short. Comparisons give -1 per true lane, hence the
- * subtractions. (Pointers, not vector arguments: the default-target build has no vector registers
+ * for NaN or Inf: they make the sum of squares NaN or Inf, and a lane whose sum of squares is not
+ * finite is done again by `exact_values`, so the common loop stays short. Comparisons give -1 per
+ * true lane, hence the subtractions. (Pointers, not vector arguments: the default-target build has no vector registers
  * of this size to pass them in.) */
 INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float centre, const int relu) {
     v8f v, c = {0}, zero = {0};
@@ -158,7 +158,6 @@ INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float cent
     l->hi = PICK(valid & (v > l->hi), v, l->hi);
     l->dev = PICK(valid & (d < l->dev), d, l->dev);
     l->z -= (v == zero) & valid;
-    l->bad -= (((v8i)v & 0x7f800000) == 0x7f800000) & valid;
     if (relu) {
         v8f vp = PICK(vs > zero, vs, zero);
         l->rs += vp;
@@ -167,9 +166,10 @@ INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float cent
     }
 }
 
-/* Whether lane j's float sums stand: no NaN or Inf met, no square overflowed. */
+/* Whether lane j's float sums stand: a finite sum of squares means no NaN or Inf was met and no
+ * square overflowed. */
 INLINE int lane_ok(const Lanes *r, int j) {
-    return r->bad[j] == 0 && is_finite(r->ss[j]);
+    return is_finite(r->ss[j]);
 }
 
 /* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit):
