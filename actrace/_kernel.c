@@ -173,17 +173,25 @@ INLINE int lane_ok(const Lanes *r, int j) {
 }
 
 /* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit):
- * each unit's contiguous run, RUN values at a time in float lanes, then in double. */
+ * each unit's contiguous run, RUN values at a time in float lanes whose sums then go to double.
+ * Extremes and zero counts stay in the lanes for the whole run, taken out once per unit. */
 INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t after, float centre,
                  const Out *o, const int relu) {
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7}, all = lane >= 0;
     for (int64_t i = 0; i < before; i++) {
         for (int64_t u = 0; u < units; u++) {
             const float *p = x + (i * units + u) * after;
+            Lanes l = {.lo = {0}, .hi = {0}, .dev = {0}};
+            l.lo += o->mn[u]; l.hi += o->mx[u]; l.dev += o->mindev[u];
+            double s = 0, ss = 0, rs = 0, rss = 0;
+            int64_t z = 0, rz = 0, finite = 0;
             for (int64_t a0 = 0; a0 < after; a0 += RUN) {
                 int64_t n = a0 + RUN < after ? RUN : after - a0, k = 0;
-                Lanes l = {.lo = {0}, .hi = {0}, .dev = {0}};
-                l.lo += o->mn[u]; l.hi += o->mx[u]; l.dev += o->mindev[u];
+                const Lanes before_run = l; /* to go back to if this run must be done value by value */
+                const v8f zero = {0};
+                const v8i none = {0};
+                l.s = l.ss = l.rs = l.rss = zero;
+                l.z = l.rz = none;
                 for (; k + 8 <= n; k += 8) lanes_step(&l, p + a0 + k, &all, centre, relu);
                 if (k < n) { /* the tail: a partial vector */
                     float t[8] = {0};
@@ -195,18 +203,23 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                 int ok = 1;
                 for (int j = 0; j < 8; j++) ok &= lane_ok(&r, j);
                 if (!ok) {
+                    l = before_run;
                     exact_values(p + a0, n, 1, centre, o, u, relu);
                     continue;
                 }
-                o->finite[u] += n;
+                finite += n;
                 for (int j = 0; j < 8; j++) {
-                    o->mn[u] = fminf(o->mn[u], r.lo[j]); o->mx[u] = fmaxf(o->mx[u], r.hi[j]);
-                    o->mindev[u] = fminf(o->mindev[u], r.dev[j]);
-                    o->zero[u] += r.z[j];
-                    o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
-                    if (relu) { o->rzero[u] += r.rz[j]; o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
+                    s += r.s[j]; ss += r.ss[j]; z += r.z[j];
+                    if (relu) { rs += r.rs[j]; rss += r.rss[j]; rz += r.rz[j]; }
                 }
             }
+            const Lanes r = l;
+            for (int j = 0; j < 8; j++) {
+                o->mn[u] = fminf(o->mn[u], r.lo[j]); o->mx[u] = fmaxf(o->mx[u], r.hi[j]);
+                o->mindev[u] = fminf(o->mindev[u], r.dev[j]);
+            }
+            o->sum[u] += s; o->sumsq[u] += ss; o->zero[u] += z; o->finite[u] += finite;
+            if (relu) { o->rsum[u] += rs; o->rsumsq[u] += rss; o->rzero[u] += rz; }
             if (h->on) h->nan += count_bins(h->b, h->part, p, after);
         }
     }
