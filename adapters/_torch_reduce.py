@@ -319,16 +319,14 @@ def _numel(v) -> int:
 
 def _finish(p: Pending, v: dict) -> Reading:
     shape = (int(v["shape0"][0]),) + tuple(p.shape[1:])
-    count = int(np.prod(shape)) if shape else 1
     units = _units(p)
     nan, inf = int(v["nan"][0]), int(v["inf"][0])
-    finite = np.isfinite(v["unit_min"])
     r = Reading(layer=p.layer, kind=p.kind, stream=p.stream, dtype=p.dtype, shape=shape,
                 unit_axis=None if p.unit_axis is None else p.unit_axis % len(p.shape), units=units,
-                count=count, nan_count=nan, inf_count=inf, zero_count=int(v["unit_zero"].sum()),
+                count=math.prod(shape), nan_count=nan, inf_count=inf, zero_count=int(v["unit_zero"].sum()),
                 sum=float(v["unit_sum"].sum()), sumsq=float(v["unit_sumsq"].sum()),
-                min=float(v["unit_min"][finite].min()) if finite.any() else float("nan"),
-                max=float(v["unit_max"][finite].max()) if finite.any() else float("nan"),
+                # units with no finite value hold NaN extremes, which fmin/fmax pass over
+                min=float(np.fmin.reduce(v["unit_min"])), max=float(np.fmax.reduce(v["unit_max"])),
                 bounds=p.bounds, param=p.param, hist=v["hist"].astype(np.int64) if "hist" in v else None,
                 update_norm=float(v["update_norm"][0]) if "update_norm" in v else None)
     if p.per_unit:
