@@ -1,7 +1,8 @@
-"""Core bench: numpy reference reductions on a 256×4096 float32 activation.
+"""Core bench: reductions of a 256×4096 float32 activation, and the fused kernel per value.
 
 Prints readings per second, the ratio to one plain `np.max` pass over the same array (the
-floor), and the bytes on disk per unit per reading after compression.
+floor), the bytes on disk per unit per reading after compression, and the fused kernel's time
+per value on the tensor shapes of bench_torch.py's models (on every thread, as readings run).
 Run: .venv/bin/python bench/bench_core.py
 """
 from __future__ import annotations
@@ -13,7 +14,15 @@ from pathlib import Path
 import numpy as np
 
 import actrace
+from actrace import kernel
 from actrace.reduce import reduce_array
+
+KERNEL_CASES = {  # name: (shape as (before, units, after), relu(x) too)
+    "transformer linear1 4096x1024, +relu": ((4096, 1024, 1), True),
+    "transformer d_model 4096x256": ((4096, 256, 1), False),
+    "conv NCHW 256x64x16x16": ((256, 64, 256), False),
+    "whole gradient 1x1x8M": ((1, 1, 1 << 23), False),
+}
 
 
 def best_of(fn, repeat: int = 15) -> float:
@@ -46,6 +55,15 @@ def main() -> None:
         size = path.stat().st_size
     print(f"  on disk: {size / n / 1024:.1f} KiB per reading, {size / n / 4096:.1f} bytes per unit per reading "
           f"(zstd, {n} readings of 4096 units)")
+
+    if not kernel.available:
+        print("fused kernel: not built here")
+        return
+    print("fused kernel, ns per value (all threads; in cache where it fits)")
+    for name, (shape, relu) in KERNEL_CASES.items():
+        x3 = rng.normal(size=shape).astype(np.float32)
+        row = [best_of(lambda: kernel.reduce_many([(x3, 0.0, hist, relu)])) / x3.size * 1e9 for hist in (True, False)]
+        print(f"  {name:<38} {row[0]:6.3f} with histogram, {row[1]:6.3f} without")
 
 
 if __name__ == "__main__":
