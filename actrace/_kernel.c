@@ -172,42 +172,55 @@ INLINE int lane_ok(const Lanes *r, int j) {
     return is_finite(r->ss[j]);
 }
 
-/* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit):
- * each unit's contiguous run, RUN values at a time in float lanes whose sums then go to double.
- * Extremes and zero counts stay in the lanes for the whole run, taken out once per unit. */
+/* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit): each
+ * unit's contiguous runs in float lanes, at most 64 values a lane before their sums go to double:
+ * 512 values of one run at a time, or a short run (a small feature map) over a block of rows at
+ * once. Runs of 128 values or more are histogrammed each after its sums, while in cache;
+ * shorter ones a block of rows at a time, first, in one go (which also brings the block into
+ * cache). Extremes and zero counts stay in the lanes for the whole block, taken out once per unit. */
 INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t after, float centre,
                  const Out *o, const int relu) {
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7}, all = lane >= 0;
-    for (int64_t i = 0; i < before; i++) {
+    const int64_t span = after < RUN ? after : RUN, rows = 64 / ((span + 7) / 8); /* rows a block */
+    const int each = span >= 128;
+    for (int64_t i0 = 0; i0 < before; i0 += rows) {
+        int64_t i1 = i0 + rows < before ? i0 + rows : before, row = units * after;
+        if (h->on && !each) h->nan += count_bins(h->b, h->part, x + i0 * row, (i1 - i0) * row);
         for (int64_t u = 0; u < units; u++) {
-            const float *p = x + (i * units + u) * after;
+            const float *p = x + i0 * row + u * after; /* unit u's run in row i0; row i is (i - i0) * row on */
             Lanes l = {.lo = {0}, .hi = {0}, .dev = {0}};
             l.lo += o->mn[u]; l.hi += o->mx[u]; l.dev += o->mindev[u];
             double s = 0, ss = 0, rs = 0, rss = 0;
             int64_t z = 0, rz = 0, finite = 0;
             for (int64_t a0 = 0; a0 < after; a0 += RUN) {
-                int64_t n = a0 + RUN < after ? RUN : after - a0, k = 0;
-                const Lanes before_run = l; /* to go back to if this run must be done value by value */
+                int64_t n = a0 + RUN < after ? RUN : after - a0;
+                const Lanes before_run = l; /* to go back to if these values must be done one by one */
                 const v8f zero = {0};
                 const v8i none = {0};
                 l.s = l.ss = l.rs = l.rss = zero;
                 l.z = l.rz = none;
-                for (; k + 8 <= n; k += 8) lanes_step(&l, p + a0 + k, &all, centre, relu);
-                if (k < n) { /* the tail: a partial vector */
-                    float t[8] = {0};
-                    v8i valid = lane < (int32_t)(n - k);
-                    memcpy(t, p + a0 + k, (n - k) * sizeof(float));
-                    lanes_step(&l, t, &valid, centre, relu);
+                for (int64_t i = 0; i < i1 - i0; i++) {
+                    const float *q = p + i * row + a0;
+                    int64_t k = 0;
+                    for (; k + 8 <= n; k += 8) lanes_step(&l, q + k, &all, centre, relu);
+                    if (k < n) { /* the tail: a partial vector */
+                        float t[8] = {0};
+                        v8i valid = lane < (int32_t)(n - k);
+                        memcpy(t, q + k, (n - k) * sizeof(float));
+                        lanes_step(&l, t, &valid, centre, relu);
+                    }
                 }
+                for (int64_t i = 0; h->on && each && i < i1 - i0; i++)
+                    h->nan += count_bins(h->b, h->part, p + i * row + a0, n);
                 const Lanes r = l; /* read lane by lane: a copy keeps l itself in registers */
                 int ok = 1;
                 for (int j = 0; j < 8; j++) ok &= lane_ok(&r, j);
                 if (!ok) {
                     l = before_run;
-                    exact_values(p + a0, n, 1, centre, o, u, relu);
+                    for (int64_t i = 0; i < i1 - i0; i++) exact_values(p + i * row + a0, n, 1, centre, o, u, relu);
                     continue;
                 }
-                finite += n;
+                finite += n * (i1 - i0);
                 for (int j = 0; j < 8; j++) {
                     s += r.s[j]; ss += r.ss[j]; z += r.z[j];
                     if (relu) { rs += r.rs[j]; rss += r.rss[j]; rz += r.rz[j]; }
@@ -220,7 +233,6 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
             }
             o->sum[u] += s; o->sumsq[u] += ss; o->zero[u] += z; o->finite[u] += finite;
             if (relu) { o->rsum[u] += rs; o->rsumsq[u] += rss; o->rzero[u] += rz; }
-            if (h->on) h->nan += count_bins(h->b, h->part, p, after);
         }
     }
 }

@@ -162,9 +162,10 @@ def test_the_fused_kernel_equals_the_numpy_path(data):
     from actrace.reduce import _numpy_stats
 
     # dense shapes cover partial and whole 8- and 16-column groups and a second block of 64 rows;
-    # (1, 2, 1100) runs of three 512-value blocks, any of which may hold a NaN or Inf
+    # (1, 2, 1100) runs of three 512-value blocks, any of which may hold a NaN or Inf; (70, 3, 2)
+    # short runs read over blocks of 64 rows
     shape = data.draw(st.sampled_from([(7, 5, 1), (3, 4, 6), (1, 1, 40), (2, 3, 1), (3, 12, 1), (2, 16, 1),
-                                       (66, 19, 1), (1, 2, 1100)]))
+                                       (66, 19, 1), (1, 2, 1100), (70, 3, 2)]))
     x = data.draw(hnp.arrays(np.float32, shape, elements=st.one_of(
         st.floats(-1e6, 1e6, width=32), st.just(0.0),
         st.sampled_from([np.nan, np.inf, -np.inf, 0.99, -0.999, 3e19, -3e19, 1e-40, -1e-45]))))
