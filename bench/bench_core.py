@@ -21,6 +21,7 @@ KERNEL_CASES = {  # name: (shape as (before, units, after), relu(x) too)
     "transformer linear1 4096x1024, +relu": ((4096, 1024, 1), True),
     "transformer d_model 4096x256": ((4096, 256, 1), False),
     "conv NCHW 256x64x16x16": ((256, 64, 256), False),
+    "conv NCHW 256x512x4x4 (small map)": ((256, 512, 16), False),
     "whole gradient 1x1x8M": ((1, 1, 1 << 23), False),
 }
 
