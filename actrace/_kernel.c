@@ -18,6 +18,13 @@
 #define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
 #define CARRY (256 - MAX_BINS) /* bin + CARRY reaches 256 (bit 8) for EXACT only: one test for four bins */
 #define INLINE static inline __attribute__((always_inline))
+/* Built for x86-64-v4 (AVX-512's 32 vector registers hold both column groups' sums), v3 (AVX2,
+ * FMA, BMI2's shifts) and plain x86-64 where the compiler can, the loader picking what the CPU runs. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLONED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONED
+#endif
 
 typedef struct {
     const uint8_t *key_bin;   /* per key (float bits >> KEY_SHIFT): its bin, EXACT if the key straddles an edge */
@@ -107,7 +114,10 @@ INLINE int64_t count_loop(const Bins *b, int64_t (*part)[MAX_BINS], const float 
     return nan;
 }
 
-INLINE int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p, int64_t n) {
+/* A function of its own, not inlined: inlined at its four call sites it slowed the whole
+ * reduction by 15-20 % (measured), the big function's registers spread thinner. */
+CLONED __attribute__((noinline)) static int64_t count_bins(const Bins *b, int64_t (*part)[MAX_BINS], const float *p,
+                                                           int64_t n) {
     return any_subnormal(p, n) ? count_loop(b, part, p, n, 1) : count_loop(b, part, p, n, 0);
 }
 
@@ -237,13 +247,15 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
     }
 }
 
-/* The first m (<= 8) floats at p as a vector, the rest zero. */
-INLINE v8f load8(const float *p, int m) {
-    float t[8] = {0};
-    v8f v;
-    memcpy(t, p, m * sizeof(float));
-    memcpy(&v, t, sizeof v);
-    return v;
+/* Lanes for columns u0 .. u0 + m - 1 (m <= 8) that start from those columns' extremes so far. */
+INLINE Lanes lanes_from(const Out *o, int64_t u0, int m) {
+    float t[3][8] = {{0}};
+    Lanes l = {.lo = {0}};
+    memcpy(t[0], o->mn + u0, m * sizeof(float));
+    memcpy(t[1], o->mx + u0, m * sizeof(float));
+    memcpy(t[2], o->mindev + u0, m * sizeof(float));
+    memcpy(&l.lo, t[0], sizeof l.lo); memcpy(&l.hi, t[1], sizeof l.hi); memcpy(&l.dev, t[2], sizeof l.dev);
+    return l;
 }
 
 /* Columns u0 .. u0 + m - 1 (m <= 8) of rows i0 .. i1 - 1, summed in the lanes `l`, into the outputs. */
@@ -279,9 +291,7 @@ INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float ce
         for (int64_t u0 = 0; u0 < units; u0 += 16) {
             int left = units - u0 < 16 ? (int)(units - u0) : 16, m0 = left < 8 ? left : 8, m1 = left - m0;
             v8i valid0 = lane < m0, valid1 = lane < m1;
-            Lanes a = {.lo = load8(o->mn + u0, m0), .hi = load8(o->mx + u0, m0), .dev = load8(o->mindev + u0, m0)};
-            Lanes b = {.lo = load8(o->mn + u0 + m0, m1), .hi = load8(o->mx + u0 + m0, m1),
-                       .dev = load8(o->mindev + u0 + m0, m1)};
+            Lanes a = lanes_from(o, u0, m0), b = lanes_from(o, u0 + m0, m1);
             for (int64_t i = i0; i < i1; i++) {
                 const float *row = x + i * units + u0;
                 if (left == 16) {
@@ -316,13 +326,8 @@ typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
 
 /* One piece of a job into its row. Non-finite values are kept out of every statistic and counted
  * as NaN or ±inf; rsum, rsumsq and rzero are the sums of relu(x) over finite values and how many
- * finite values are <= 0. Built for x86-64-v4 (AVX-512's 32 vector registers hold both column
- * groups' sums), v3 (AVX2, FMA) and plain x86-64 where the compiler can, the loader picking what
- * the CPU runs. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
+ * finite values are <= 0. */
+CLONED static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
     int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
     int along_before = j->before >= j->pieces;
     int64_t span = along_before ? j->before : j->after, lo = span * k / j->pieces, hi = span * (k + 1) / j->pieces;
