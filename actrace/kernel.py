@@ -132,5 +132,6 @@ def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = Fals
     """Per-unit sums, sums of squares, extremes, min |h - centre|, zero and finite counts, the
     histogram, and NaN/Inf totals of a C-contiguous float32 (before, units, after) array; with
     `relu`, also the per-unit sums and sums of squares of relu(x) and how many finite values are <= 0
-    (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values."""
+    (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values; a unit with no finite value
+    has NaN extremes."""
     return reduce_many([(x3, centre, histogram, relu)])[0]

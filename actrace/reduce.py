@@ -111,30 +111,26 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
     else:
         st = _numpy_stats(x3, c, histogram)
     unit_count, unit_zero = st["finite"], st["zero"]
-    unit_min, unit_max, unit_min_dev = (st[k].astype(np.float64) for k in ("min", "max", "min_dev"))
-    empty = unit_count == 0
-    for arr in (unit_min, unit_max, unit_min_dev):
-        arr[empty] = np.nan
-    any_finite = not empty.all()
     reading = Reading(
         layer=layer, kind=kind, stream=stream, dtype=dtype, shape=tuple(int(s) for s in xw.shape),
         unit_axis=unit_axis, units=int(units), count=int(xw.size), nan_count=int(st["nan_inf"][0]),
         inf_count=int(st["nan_inf"][1]), zero_count=int(unit_zero.sum()),
         sum=float(st["sum"].sum()), sumsq=float(st["sumsq"].sum()),
-        min=float(np.nanmin(unit_min)) if any_finite else float("nan"),
-        max=float(np.nanmax(unit_max)) if any_finite else float("nan"),
+        # units with no finite value hold NaN extremes, which fmin/fmax pass over
+        min=float(np.fmin.reduce(st["min"])), max=float(np.fmax.reduce(st["max"])),
         bounds=bounds, param=param, hist=st["hist"],
     )
     if per_unit:
         reading = replace(
             reading, unit_count=unit_count, unit_zero=unit_zero, unit_sum=st["sum"],
-            unit_sumsq=st["sumsq"], unit_min=unit_min.astype(np.float32),
-            unit_max=unit_max.astype(np.float32), unit_min_dev=unit_min_dev.astype(np.float32))
+            unit_sumsq=st["sumsq"], unit_min=st["min"].astype(np.float32),
+            unit_max=st["max"].astype(np.float32), unit_min_dev=st["min_dev"].astype(np.float32))
     return reading
 
 
 def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
-    """The statistics of `kernel.reduce_f32` with numpy alone (any float dtype)."""
+    """The statistics of `kernel.reduce_f32` with numpy alone (any float dtype), NaN extremes for
+    a unit with no finite value included."""
     axes = (0, 2)
 
     def square(b, out):
@@ -170,6 +166,8 @@ def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
             d = np.abs(np.subtract(b, x3.dtype.type(c), out=out), out=out)
             return d if all_finite else np.where(np.isfinite(b), d, np.inf)
         unit_min_dev[mixed] = _blockwise(x3, dev, np.fmin)[mixed]
+    for arr in (unit_min, unit_max, unit_min_dev):
+        arr[unit_count == 0] = np.nan
     zeros = int(unit_zero.sum())
     return {"sum": unit_sum, "sumsq": unit_sumsq, "min": unit_min, "max": unit_max, "min_dev": unit_min_dev,
             "zero": unit_zero, "finite": unit_count, "hist": bins.histogram(x3, zeros) if histogram else None,
