@@ -6,12 +6,14 @@ import hashlib
 import numpy as np
 
 
-def fingerprint(probe) -> str:
-    """16 hex digits of SHA-256 over a probe given as an array or a mapping name → array."""
+def fingerprint(probe, dtypes: dict[str, str] | None = None) -> str:
+    """16 hex digits of SHA-256 over a probe given as an array or a mapping name → array.
+    `dtypes` names the dtype of an input that numpy has no type for (bfloat16), given as raw bytes."""
     arrays = probe if isinstance(probe, dict) else {"": probe}
+    dtypes = dtypes or {}
     h = hashlib.sha256()
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(f"{name}|{dtypes.get(name, a.dtype.str)}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()[:16]

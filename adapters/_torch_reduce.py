@@ -1,19 +1,16 @@
-"""On-device reductions of torch tensors: the spec's per-unit statistics in few passes, no syncs.
+"""Reductions of torch tensors: the spec's per-unit statistics, taken the moment a tensor is made.
 
-`reduce_tensor` queues the work: a CPU float32 tensor waits for the core's fused C kernel; other
-tensors are reduced with torch kernels on their device. `settle` finishes a batch of readings
-before their tensors are freed: the fused kernel on every thread (PyTorch's OpenMP team), then
-one host sync to find the rare torch-path reading with a NaN or Inf, counted again exactly.
-A tensor changed in place after it was queued (its version counter moved) is reported stale, not
-read. A ReLU reading of a queued float32 tensor can be derived from that tensor's pass
-(`derive_relu`). `to_readings` moves the numbers to the host in one transfer. Values agree with
-`actrace.reduce.reduce_array` (the tests check).
+`reduce_tensor` reads a CPU float32 tensor with the core's fused C kernel (all threads, on
+PyTorch's own OpenMP team) and any other tensor with torch kernels on its device, without a host
+sync. `settle` finishes a batch of torch-path readings with one sync, re-counting the rare one
+with a NaN or Inf exactly; `to_readings` moves the numbers to the host in one transfer, and
+`all_reduce` merges data-parallel ranks. Values agree with `actrace.reduce.reduce_array` (the
+tests check).
 """
 from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,8 +28,8 @@ _MAX_FIELDS = ("unit_max",)
 
 @dataclass
 class Pending:
-    """A reading whose statistics are not on the host yet (mergeable across chunks): numpy arrays
-    from the fused kernel, tensors on the device from the torch path. `stats` may also hold
+    """A reading whose statistics may still be on the device (mergeable across chunks): numpy
+    arrays from the fused kernel, tensors from the torch path. `stats` may also hold
     `update_norm`, a 0-d tensor, for parameter readings."""
 
     layer: str
@@ -45,22 +42,13 @@ class Pending:
     param: str | None = None
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
-    source: torch.Tensor | None = None        # until `settle`: for the rare exact non-finite re-count
-    hist_source: torch.Tensor | None = None   # until `settle`: a CPU tensor whose histogram is due
-    fused: tuple | None = None                # until `settle`: a CPU float32 tensor for the fused kernel
-    watch: torch.Tensor | None = None         # until `settle`: the tensor read, whose version must not move
-    version: int | None = None                # its version counter when read (None: it has none)
-    derive: bool = False                      # the fused pass also gives relu(x)'s statistics...
-    relu_stats: dict | None = None            # ...here, when x had no NaN or Inf
-    derived_from: "Pending | None" = None     # a ReLU reading whose statistics that pass gives
-
-    def holds(self, x: torch.Tensor) -> bool:
-        """Whether this unsettled reading's tensor shares memory with `x`."""
-        return self.watch is not None and \
-            self.watch.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    source: torch.Tensor | None = None  # torch path, until `settle`: for the rare exact non-finite re-count
 
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
+        if (other.unit_axis, _units(other)) != (self.unit_axis, _units(self)):
+            raise ReductionError(f"layer {self.layer!r}: probe chunks disagree on the units "
+                                 f"({_units(self)} on axis {self.unit_axis} vs {_units(other)} on axis {other.unit_axis})")
         for k, v in other.stats.items():
             lib = torch if isinstance(v, torch.Tensor) else np
             if k in _MIN_FIELDS:
@@ -85,26 +73,6 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf[: x.numel()].view(x.shape)
 
 
-def tensor_version(x: torch.Tensor) -> int | None:
-    """The version counter in-place operations bump; None for inference tensors, which have none."""
-    try:
-        return x._version
-    except RuntimeError:
-        return None
-
-
-def derive_relu(source: Pending, x: torch.Tensor, exact: bool = True) -> bool:
-    """Ask `source`'s fused pass for relu's statistics too, if that pass is still to come and `x`
-    (a ReLU's input) is exactly the tensor it read, or (`exact=False`) `x` is known by construction
-    to be relu of that tensor."""
-    w = source.watch
-    same = source.fused is not None and w is not None and w.shape == x.shape and w.dtype == x.dtype and (
-        not exact or (w.data_ptr() == x.data_ptr() and w.stride() == x.stride()
-                      and source.version is not None and tensor_version(x) == source.version))
-    source.derive = source.derive or same
-    return same
-
-
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
     """The histogram on any device by binary search over the float32 edges (the CUDA path)."""
     x = x.float()
@@ -116,13 +84,25 @@ def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
     return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
 
 
+def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, int | None]:
+    """A nested (ragged) tensor as its real values only: (values, units) with units last."""
+    parts = x.unbind()
+    if unit_axis is None:
+        return torch.cat([p.reshape(-1) for p in parts]).reshape(-1, 1), None
+    axis = unit_axis % x.dim() - 1  # the batch axis is not in a component
+    return torch.cat([p.movedim(axis, -1).reshape(-1, p.shape[axis]) for p in parts]), 1
+
+
 def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
                   bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True) -> Pending:
-    """Reduce a floating tensor over every axis but `unit_axis`, on its device."""
+    """Reduce a floating tensor over every axis but `unit_axis`, now (before anything can change it
+    in place), on its device: CPU float32 by the fused kernel, anything else by torch kernels."""
     x = t.detach()
     dtype = str(x.dtype).removeprefix("torch.")
     if not x.is_floating_point():
         raise ReductionError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
+    if x.is_nested:
+        x, unit_axis = _flat_nested(x, unit_axis)
     if x.numel() == 0:
         raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(x.shape)}")
     if x.dtype in (torch.float16, torch.bfloat16):
@@ -133,21 +113,23 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         x, axis = x.reshape(-1, 1), 1
     else:
         axis = unit_axis % x.ndim
-    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit, source=x,
-                      watch=x, version=tensor_version(x))
+    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit)
     c = centre(bounds)
     shape0 = shape[0] if shape else 1
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
-        # one fused pass in `settle`, on torch's own OpenMP threads (threads of ours would fight
-        # them: measured slower)
         if per_unit and unit_axis is not None:
             view = x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1)
         else:
             view = x.contiguous().view(1, 1, -1)
-        pending.fused = (view, c, histogram and per_unit)
-        pending.source = None
-        pending.stats = {"shape0": np.array([shape0])}
+        st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit)
+        pending.stats = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"],
+                         "unit_max": st["max"], "unit_min_dev": st["min_dev"], "unit_zero": st["zero"],
+                         "unit_count": st["finite"], "nan": st["nan_inf"][:1], "inf": st["nan_inf"][1:],
+                         "shape0": np.array([shape0])}
+        if st["hist"] is not None:
+            pending.stats["hist"] = st["hist"]
         return pending
+    pending.source = x
     dims = [d for d in range(x.ndim) if d != axis]
     zero = torch.zeros((), dtype=torch.int64, device=x.device)
     common = {"shape0": torch.tensor(shape0, device=x.device), "nan": zero, "inf": zero}
@@ -174,58 +156,22 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     else:
         dev = torch.sub(x, c, out=work) if c else x
         s["unit_min_dev"] = torch.abs(dev, out=work).amin(dims)
-    pending.stats = s
-    if histogram and x.device.type == "cpu":
-        pending.hist_source = x  # counted in `settle`, two tensors at a time
+    if histogram and x.device.type == "cpu":  # the core's numpy histogram
+        s["hist"] = torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(s["unit_zero"].sum())))
     elif histogram:
         s["hist"] = bucketize_histogram(x)
+    pending.stats = s
     return pending
-
-
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-hist")
-
-
-def _fuse(pending: list[Pending]) -> None:
-    """Run the fused kernel on CPU float32 tensors, all threads sharing the batch: each reading's
-    statistics, and with `derive` those of relu(x) (min, max and min |h| of relu(x) follow from
-    x's; NaN bins nowhere, values <= 0 and -inf go to zero's bin)."""
-    if not pending:
-        return
-    results = kernel.reduce_many([(p.fused[0].numpy(), p.fused[1], p.fused[2], p.derive) for p in pending])
-    for p, st in zip(pending, results):
-        out = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"], "unit_max": st["max"],
-               "unit_min_dev": st["min_dev"], "unit_zero": st["zero"], "unit_count": st["finite"],
-               "nan": st["nan_inf"][:1], "inf": st["nan_inf"][1:]}
-        if st["hist"] is not None:
-            out["hist"] = st["hist"]
-        p.stats.update(out)
-        if p.derive and not st["nan_inf"].any():
-            lo = np.maximum(st["min"], 0)
-            relu = {**out, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
-                    "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
-            if st["hist"] is not None:
-                hist = relu["hist"] = st["hist"].copy()
-                hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
-                hist[: bins.ZERO_BIN] = 0
-            p.relu_stats = relu
-        p.fused = None
 
 
 def _units(p: Pending) -> int:
     return 1 if p.unit_axis is None else p.shape[p.unit_axis % len(p.shape)]
 
 
-def _cpu_histogram(p: Pending) -> torch.Tensor:
-    """The core's numpy histogram: it runs without the GIL, so two of them share the cores (torch
-    kernels in these threads would start OpenMP teams that spin beside torch's)."""
-    return torch.from_numpy(bins.histogram(p.hist_source.contiguous().numpy(), int(p.stats["unit_zero"].sum())))
-
-
 def _exact(p: Pending) -> dict:
     """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them)."""
     r = reduce_array(p.source.float().cpu().numpy(), p.unit_axis, p.kind, layer=p.layer, stream=p.stream,
-                     bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in p.stats
-                     or p.hist_source is not None)
+                     bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in p.stats)
     dev = p.stats["unit_sum"].device
     whole = not p.per_unit
     stats = {
@@ -245,54 +191,23 @@ def _exact(p: Pending) -> dict:
     return out
 
 
-def _stale(p: Pending) -> bool:
-    return p.watch is not None and p.version is not None and tensor_version(p.watch) != p.version
-
-
-def _drop_stale(pending: list[Pending]) -> list[Pending]:
-    """The readings whose tensor moved, no longer to be read from it."""
-    stale = [p for p in pending if _stale(p)]
-    for p in stale:
-        p.fused = p.hist_source = p.source = None
-    return stale
-
-
-def settle(pending: list[Pending]) -> list[Pending]:
-    """Finish readings whose tensors are about to be freed: fused passes on every thread (ReLU
-    readings derived from their input's pass where they can be), histograms of other CPU tensors
-    on two, then one host sync for the whole batch to find readings with a NaN or Inf (a
-    non-finite sum of squares), which are re-counted exactly. Drops the tensor references. Returns
-    the readings whose tensor was changed in place since it was queued: they are not read."""
-    stale = _drop_stale([p for p in pending if p.derived_from is None])
-    _fuse([p for p in pending if p.fused is not None and p.derived_from is None])
-    for p in pending:
-        if p.fused is not None and p.derived_from is not None and p.derived_from.relu_stats is not None:
-            p.stats.update(p.derived_from.relu_stats)
-            p.fused = None
-        p.derived_from = None
-    rest = [p for p in pending if p.fused is not None]  # derivations that could not be
-    stale += _drop_stale(rest)
-    _fuse([p for p in rest if p.fused is not None])
-    due = [p for p in pending if p.hist_source is not None]
-    for p, hist in zip(due, _pool.map(_cpu_histogram, due)):
-        p.stats["hist"] = hist
+def settle(pending: list[Pending]) -> None:
+    """Finish torch-path readings before their tensors are freed: one host sync for the whole batch
+    finds readings with a NaN or Inf (a non-finite sum of squares), which are re-counted exactly."""
     live = [p for p in pending if p.source is not None]
     if live:
         finite = torch.stack([torch.isfinite(p.stats["unit_sumsq"]).all() for p in live]).cpu()
         for p, ok in zip(live, finite.tolist()):
             if not ok:
                 p.stats = _exact(p)
-    for p in pending:
-        p.source = p.hist_source = p.watch = None
-    return stale
+            p.source = None
 
 
 def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
-    if settle(pending):
-        raise RuntimeError("actrace: a tensor was changed in place before its reading was settled")
+    settle(pending)
     if not any(_on_device(v) for p in pending for v in p.stats.values()):
         return [_finish(p, {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in p.stats.items()})
                 for p in pending]  # on the host already: nothing to batch

@@ -56,6 +56,8 @@ ADVICE = {
     "exploding_gradients": "unstable updates, divergence ahead: clip gradients, lower the LR",
     "probe_changed": "use the same fixed probe batch at every reading, or the numbers compare different data",
     "train_mode": "read activations in eval mode: dropout and batch statistics distort dead fraction",
+    "scaler_skipped": "the loss scaler skipped these updates and lowered its scale: normal now and then under "
+                      "mixed precision; often in a row, lower the LR or the initial scale",
 }
 
 
@@ -183,9 +185,24 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
     return out
 
 
+def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
+    """Steps a loss scaler skipped (mode `skipped`): their overflowing gradients are the scaler's
+    business, not a pathology of the model."""
+    out = []
+    for (run,), g in skipped.sort("step").group_by(["run"], maintain_order=True):
+        steps = g["step"].unique().sort()
+        out.append(_finding("info", "scaler_skipped", run, g["layer"][0], steps[0],
+                            f"{steps.len()} step(s) skipped by the loss scaler for non-finite gradients, "
+                            f"first at step {steps[0]}"))
+    return out
+
+
 def findings(m: pl.DataFrame, rules: Rules = Rules()) -> list[Finding]:
     """All findings over a metrics frame, most urgent first."""
-    found = _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
+    skipped = pl.col("mode").fill_null("") == "skipped"
+    found = _skipped_findings(m.filter(skipped))
+    m = m.filter(~skipped)
+    found += _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], -f.score, f.run, f.layer))
 
 

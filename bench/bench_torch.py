@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from actrace.adapters.torch import Monitor, layer_kind
+from actrace.adapters.torch import Monitor, module_kind as layer_kind
 
 
 def mlp():

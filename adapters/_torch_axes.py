@@ -1,0 +1,248 @@
+"""Unit axis by construction (spec §Units): which axis of a tensor computed in a forward holds the
+units, followed op by op from the op that made it. Layers that define units set it (features of
+a linear or embedding last, channels of a convolution, norm or pool on axis 1); elementwise ops
+keep it; permutes, transposes, reshapes, indexing, reductions, cat and stack move it; any other
+op loses it (`LOST`), and the reading then takes the whole tensor as one unit. Never a guess:
+a tensor with no known history (an input, a parameter) carries nothing.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+LOST = None  # a tensor whose unit axis could not be followed (distinct from "never seen")
+
+# ops whose output's units are its last axis whatever came in
+_LAST = frozenset({"linear", "bilinear", "embedding", "embedding_bag", "layer_norm", "rms_norm",
+                   "lstm", "gru", "rnn_tanh", "rnn_relu", "multi_head_attention_forward"})
+# ops whose output's units are axis 1 (channels), whatever the memory format
+_CHANNELS = re.compile(r"^(conv\d?d|conv_transpose\dd|batch_norm|instance_norm|group_norm|local_response_norm|"
+                       r"(adaptive_)?(max|avg|lp)_pool\dd(_with_indices)?|interpolate|upsample\w*|"
+                       r"pixel_(un)?shuffle|channel_shuffle)$")
+# ops that keep their input's shape (or broadcast it) and so its axis, besides aten's pointwise ops
+_KEEP = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                   "softmax", "log_softmax", "softmin", "contiguous", "clone", "detach", "to", "float", "half",
+                   "bfloat16", "double", "type", "type_as", "normalize", "pad", "masked_fill", "where", "glu",
+                   "cumsum", "cumprod", "flip", "roll", "repeat", "expand", "expand_as", "index_select", "narrow",
+                   "chunk", "split", "tensor_split", "hardswish", "requires_grad_", "cpu", "cuda",
+                   "scaled_dot_product_attention", "tile", "broadcast_to", "masked_fill_", "copy_"})
+_RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
+                      "squeeze_", "unsqueeze_", "ravel"})
+_REDUCE = frozenset({"mean", "sum", "amax", "amin", "max", "min", "std", "var", "norm", "logsumexp", "prod",
+                     "nanmean", "nansum", "median", "all", "any", "std_mean", "var_mean"})
+_MATMUL = {"matmul": 1, "mm": 1, "bmm": 1, "__matmul__": 1, "__rmatmul__": 0, "addmm": 2, "baddbmm": 2,
+           "addbmm": 2}
+
+
+def op_name(func) -> str:
+    """A torch function's plain name: `Tensor.__radd__` → `add`, `Tensor.T`'s getter → `T`."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "")
+    if name in _MATMUL or name == "__getitem__" or not (name.startswith("__") and name.endswith("__")):
+        return name
+    core = name[2:-2]
+    core = {"truediv": "div", "rtruediv": "div", "itruediv": "div_", "floordiv": "floor_divide"}.get(core, core)
+    if core.startswith("i") and _pointwise(core[1:] + "_"):
+        return core[1:] + "_"
+    if core.startswith("r") and _pointwise(core[1:]):
+        return core[1:]
+    return core
+
+
+@functools.lru_cache(maxsize=None)
+def _pointwise(name: str) -> bool:
+    op = getattr(torch.ops.aten, name, None)
+    try:
+        return op is not None and any(torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _arg(args, kwargs, i: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _dims(value, ndim: int) -> list[int] | None:
+    if value is None:
+        return None
+    return [d % ndim for d in ((value,) if isinstance(value, int) else value)]
+
+
+def follow_reshape(shape_in, axis: int, shape_out) -> int | None:
+    """Where a C-order reshape puts the unit axis: the output axis with the same size whose
+    leading dimensions hold exactly the input's leading dimensions; LOST if there is none."""
+    before, units = math.prod(shape_in[:axis]), shape_in[axis]
+    lead = 1
+    for j, size in enumerate(shape_out):
+        if lead == before and size == units:
+            return j
+        lead *= size
+        if lead > before:
+            break
+    return LOST
+
+
+_MADE = {"linear": "linear", "bilinear": "linear", "embedding": "embedding", "embedding_bag": "embedding",
+         "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "instance_norm": "norm",
+         "group_norm": "norm"}
+_CARRY = _RESHAPE | {"to", "contiguous", "clone", "float", "half", "bfloat16", "double", "type_as"}
+
+
+class Axes:
+    """The unit axis of every tensor computed in one forward, and which layer op made it (weakly
+    held: the maps do not keep activations alive)."""
+
+    def __init__(self):
+        self.known = WeakIdKeyDictionary()
+        self.made = WeakIdKeyDictionary()
+
+    def of(self, t: torch.Tensor) -> int | None:
+        return self.known.get(t, LOST)
+
+    def made_by(self, t: torch.Tensor) -> str | None:
+        """The kind of layer op (linear, conv, norm, embedding) that made `t`, through reshapes."""
+        return self.made.get(t)
+
+    def _note_maker(self, name: str, args, out) -> None:
+        kind = _MADE.get(name) or ("conv" if name.startswith("conv") else None)
+        if kind is None and name in _MATMUL:
+            rhs = args[_MATMUL[name]] if len(args) > _MATMUL[name] else None
+            kind = "linear" if isinstance(rhs, torch.Tensor) and rhs not in self.known else None
+        if kind is None and name in _CARRY and args and isinstance(args[0], torch.Tensor):
+            kind = self.made.get(args[0])
+        if kind is not None and isinstance(out, torch.Tensor):
+            self.made[out] = kind
+
+    def set(self, out, axis: int | None) -> None:
+        for t in _tensors(out):
+            self.known[t] = LOST if axis is None or not t.ndim else axis % t.ndim
+
+    def follow(self, func, args, kwargs, out) -> None:
+        """Tag the output(s) of `func(*args, **kwargs)` with their unit axis."""
+        name = op_name(func)
+        self._note_maker(name, args, out)
+        if name in _LAST:
+            outs = out[:1] if name == "multi_head_attention_forward" else out
+            return self.set(outs, -1)
+        if _CHANNELS.match(name):
+            return self.set(out[0] if isinstance(out, tuple) else out, 1)
+        seen = [(t, self.known[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.known]
+        if name in _MATMUL:
+            return self.set(out, self._matmul(args[_MATMUL[name]] if len(args) > _MATMUL[name] else None))
+        if not seen:
+            return None  # nothing known flowed in: the output stays unknown, not lost
+        if name in _KEEP or _pointwise(name):
+            return self.set(out, _broadcast(seen, out))
+        x, axis = seen[0]
+        if axis is LOST:
+            return self.set(out, LOST)
+        if name in _RESHAPE:
+            return self.set(out, follow_reshape(x.shape, axis, out.shape))
+        if name in ("permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT", "mH", "movedim", "moveaxis"):
+            return self.set(out, _permuted(name, x.ndim, axis, args[1:], kwargs))
+        if name in _REDUCE and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+            return self.set(out[0] if isinstance(out, tuple) else out, _reduced(x.ndim, axis, args[1:], kwargs))
+        if name in ("cat", "concat", "concatenate", "stack", "unbind", "select", "__getitem__"):
+            return self.set(out, _indexed(name, x, axis, seen, args, kwargs))
+        return self.set(out, LOST)
+
+    def _matmul(self, rhs) -> int | None:
+        """x @ W: the output's last axis is W's last; units when W is a weight (no history) or an
+        activation whose units are last."""
+        if not isinstance(rhs, torch.Tensor):
+            return LOST
+        if rhs not in self.known:
+            return -1
+        axis = self.known[rhs]
+        return -1 if axis is not LOST and axis == rhs.ndim - 1 else LOST
+
+
+def _broadcast(seen, out) -> int | None:
+    """Elementwise: every known input, aligned from the right, must agree on the output's axis;
+    an input whose axis was lost may join only where it is broadcast along that axis (a
+    per-position statistic such as an RMS norm's, reduced over the units with keepdim)."""
+    ref = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(ref, torch.Tensor):
+        return LOST
+    axes = {ref.ndim - (x.ndim - axis) for x, axis in seen if axis is not LOST}
+    if len(axes) != 1:
+        return LOST
+    axis = axes.pop()
+    for x, a in seen:
+        at = axis - (ref.ndim - x.ndim)
+        if a is LOST and at >= 0 and x.shape[at] != 1:
+            return LOST
+    return axis
+
+
+def _permuted(name: str, ndim: int, axis: int, rest, kwargs) -> int | None:
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else (rest or kwargs.get("dims"))
+        return [d % ndim for d in dims].index(axis)
+    if name in ("transpose", "swapaxes", "swapdims", "t", "T", "mT", "mH"):
+        if name in ("t", "T"):
+            a, b = 0, ndim - 1
+        elif name in ("mT", "mH"):
+            a, b = ndim - 2, ndim - 1
+        else:
+            a, b = _dims(_arg(rest, kwargs, 0, "dim0"), ndim)[0], _dims(_arg(rest, kwargs, 1, "dim1"), ndim)[0]
+        return b if axis == a else a if axis == b else axis
+    src = _dims(_arg(rest, kwargs, 0, "source"), ndim)
+    dst = _dims(_arg(rest, kwargs, 1, "destination"), ndim)
+    order = [d for d in range(ndim) if d not in src]
+    for s, d in sorted(zip(dst, src)):
+        order.insert(s, d)
+    return order.index(axis)
+
+
+def _reduced(ndim: int, axis: int, rest, kwargs) -> int | None:
+    dims = _dims(_arg(rest, kwargs, 0, "dim"), ndim)
+    if dims is None or axis in dims:
+        return LOST
+    if _arg(rest, kwargs, 1, "keepdim", False):
+        return axis
+    return axis - sum(d < axis for d in dims)
+
+
+def _indexed(name: str, x: torch.Tensor, axis: int, seen, args, kwargs) -> int | None:
+    if name in ("cat", "concat", "concatenate"):
+        return axis if all(a == axis and t.ndim == x.ndim for t, a in seen) else LOST
+    if name == "stack":
+        dim = _arg(args, kwargs, 1, "dim", 0) % (x.ndim + 1)
+        return axis + (axis >= dim) if all(a == axis for _, a in seen) else LOST
+    if name in ("unbind", "select"):
+        dim = _arg(args, kwargs, 1, "dim", 0) % x.ndim
+        return LOST if dim == axis else axis - (dim < axis)
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in index):
+        return LOST  # advanced indexing
+    consumed = sum(isinstance(i, (int, slice)) for i in index)
+    pos_in, pos_out = 0, 0
+    for i in index:
+        if i is Ellipsis:
+            skip = x.ndim - consumed
+            if pos_in <= axis < pos_in + skip:
+                return pos_out + axis - pos_in
+            pos_in, pos_out = pos_in + skip, pos_out + skip
+        elif i is None:
+            pos_out += 1
+        else:
+            if pos_in == axis:
+                return LOST if isinstance(i, int) else pos_out
+            pos_in, pos_out = pos_in + 1, pos_out + (not isinstance(i, int))
+    return pos_out + axis - pos_in

@@ -1,0 +1,83 @@
+"""What a PyTorch module or function computes, as the spec's layer kinds (spec §Kinds).
+
+Modules of `torch.nn` by class; modules of other libraries (Hugging Face's `GELUActivation`,
+timm's `Swish`) by a class name that says the activation it is; functional calls
+(`F.silu`, `torch.tanh`, `Tensor.relu_`, softmax) by function name, with bounds from their arguments.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+_NN_ACTIVATIONS: list[tuple[type, str]] = [
+    (nn.ReLU6, "relu6"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
+    (nn.PReLU, "prelu"), (nn.ELU, "elu"), (nn.CELU, "elu"), (nn.SELU, "selu"), (nn.GELU, "gelu"),
+    (nn.SiLU, "silu"), (nn.Mish, "mish"), (nn.Softplus, "softplus"), (nn.Hardswish, "hard_swish"),
+    (nn.Hardtanh, "hard_tanh"), (nn.Tanh, "tanh"), (nn.Softsign, "softsign"), (nn.Sigmoid, "sigmoid"),
+    (nn.Hardsigmoid, "hard_sigmoid"), (nn.Softmax, "softmax"),
+]
+_NN_LAYERS: list[tuple[tuple[type, ...], str]] = [
+    ((nn.Linear, nn.Bilinear), "linear"),
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), "conv"),
+    ((nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm), "norm"),
+    ((nn.Embedding, nn.EmbeddingBag), "embedding"),
+    ((nn.MultiheadAttention,), "attention"),
+]
+# activation names, as functions (`F.gelu`, `Tensor.relu_`) and as the core of class names
+_NAMED = {
+    "relu": "relu", "relu6": "relu6", "leakyrelu": "leaky_relu", "leaky_relu": "leaky_relu", "rrelu": "leaky_relu",
+    "prelu": "prelu", "elu": "elu", "celu": "elu", "selu": "selu", "gelu": "gelu", "gelutanh": "gelu",
+    "silu": "silu", "swish": "silu", "mish": "mish", "softplus": "softplus", "hardswish": "hard_swish",
+    "hswish": "hard_swish", "hardtanh": "hard_tanh", "tanh": "tanh", "softsign": "softsign",
+    "sigmoid": "sigmoid", "hardsigmoid": "hard_sigmoid", "hsigmoid": "hard_sigmoid", "softmax": "softmax",
+}
+_CLASS = re.compile(r"^(?:pytorch|new|fast|quick|accurate|approx(?:imate)?)?(?P<core>[a-z0-9]+?)"
+                    r"(?:activation|act|layer|module|fn)?$")
+ACTIVATIONS = frozenset(_NAMED.values())
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The spec's kind of a module's output, or None for a module that is not read (containers,
+    dropout, pooling: their work shows in the layers around them)."""
+    for cls, kind in _NN_ACTIVATIONS:
+        if isinstance(module, cls):
+            return kind
+    for classes, kind in _NN_LAYERS:
+        if isinstance(module, classes):
+            return kind
+    name = type(module).__name__.lower()
+    if not any(True for _ in module.children()):
+        core = _CLASS.match(re.sub(r"[^a-z0-9]", "", name))
+        if core and core["core"] in _NAMED:
+            return _NAMED[core["core"]]
+    if any(True for _ in module.parameters(recurse=False)):
+        return "norm" if "norm" in name else "embedding" if "embed" in name else "other"
+    return None
+
+
+def module_bounds(module: nn.Module, kind: str) -> tuple[float, float] | None:
+    if kind == "hard_tanh" and hasattr(module, "min_val"):
+        return float(module.min_val), float(module.max_val)
+    return None
+
+
+def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[float, float] | None] | None:
+    """(kind, bounds) of a functional activation call, or None for any other call. A clamp is a
+    `clip` only with both bounds given (a one-sided clamp is a guard, not an activation)."""
+    base = name.rstrip("_")
+    if base in ("clamp", "clip"):
+        lo, hi = _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max")
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
+            return "clip", (float(lo), float(hi))
+        return None
+    kind = _NAMED.get(base)
+    if kind == "hard_tanh":
+        return kind, (float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
+    return (kind, None) if kind else None
+
+
+def _arg(args, kwargs, i, name, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default

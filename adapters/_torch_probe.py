@@ -1,0 +1,99 @@
+"""The fixed probe batch of a PyTorch model (spec §Probe): any structure the model takes.
+
+A tensor, a dict of keyword inputs, a tuple of positional ones, or any nesting of these; tensors
+of any dtype (integer ids included) are cut into chunks along their first axis and moved to the
+model's device, everything else is passed as it is. The fingerprint is taken again whenever the
+probe changed (compared on its own device with a snapshot, so `probe.normal_()` or a new probe
+is seen), and the device copy with it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from actrace.fingerprint import fingerprint
+
+
+def _name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+class Probe:
+    """The probe `value` as the model takes it, on `device`."""
+
+    def __init__(self, value, device: torch.device | None):
+        self.device = device
+        self.value = value
+        self._snapshot: list | None = None
+        self.check()
+        if not self.tensors:
+            raise ValueError("actrace: the probe holds no tensor; give the inputs the model takes "
+                             "(a tensor, a dict of tensors or a tuple of them)")
+
+    @property
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        leaves, _ = pytree.tree_flatten_with_path(self.value)
+        return [(_name(path), t) for path, t in leaves if isinstance(t, torch.Tensor)]
+
+    @property
+    def size(self) -> int:
+        return len(self.tensors[0][1]) if self.tensors[0][1].ndim else 1
+
+    def check(self) -> str:
+        """The probe's fingerprint, taken again (with its device copy) when the probe changed."""
+        now = self.tensors
+        same = self._snapshot is not None and len(now) == len(self._snapshot) and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for (_, a), b in zip(now, self._snapshot))
+        if not same:
+            self._snapshot = [t.detach().clone() for _, t in now]
+            self.fingerprint = _fingerprint(now)
+            self._moved = pytree.tree_map(self._to_device, self.value)
+        return self.fingerprint
+
+    def _to_device(self, leaf):
+        if isinstance(leaf, torch.Tensor) and self.device is not None and leaf.device != self.device:
+            return leaf.to(self.device)
+        return leaf
+
+    def chunks(self, rank: int = 0, world: int = 1, size: int | None = None):
+        """This rank's share of the probe in chunks of `size` examples (all of it by default)."""
+        n = self.size
+        idx = np.array_split(np.arange(n), world)[rank]
+        step = size or max(len(idx), 1)
+        for start in range(0, len(idx), step):
+            lo, hi = int(idx[start]), int(idx[min(start + step, len(idx)) - 1]) + 1
+            yield pytree.tree_map(
+                lambda leaf: leaf[lo:hi] if isinstance(leaf, torch.Tensor) and leaf.ndim and len(leaf) == n else leaf,
+                self._moved)
+
+    def first_chunk(self, size: int | None):
+        return next(self.chunks(0, 1, size))
+
+    @staticmethod
+    def call(model: torch.nn.Module, chunk):
+        """The model on a chunk: a dict as keyword inputs, a tuple or list as positional ones."""
+        if isinstance(chunk, dict):
+            return model(**chunk)
+        if isinstance(chunk, (tuple, list)):
+            return model(*chunk)
+        return model(chunk)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name or 'probe'} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                         for name, t in self.tensors)
+
+
+def _fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    arrays, dtypes = {}, {}
+    for name, t in tensors:
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            arrays[name], dtypes[name] = t.view(torch.int16).numpy(), "bfloat16"
+        else:
+            arrays[name] = t.numpy()
+    if len(arrays) == 1:  # a single input is unnamed, as in every adapter
+        (name, array), = arrays.items()
+        return fingerprint(array, {"": dtypes[name]} if name in dtypes else None)
+    return fingerprint(arrays, dtypes)

@@ -1,0 +1,190 @@
+"""One traced forward: every layer output and every activation, wherever it is computed, handed
+to a sink with its name, kind, bounds and unit axis.
+
+A `TorchFunctionMode` sees every torch call in every `forward` (functional activations included),
+and module hooks, global for the trace's duration, keep the module scope it happens in:
+- a module with a kind (`_torch_kinds.module_kind`) is read at its output, under its path;
+- a functional activation (`F.silu`, `torch.tanh`, `x.relu_()`, softmax) is read at its output,
+  as `SCOPE.FUNCTION` (`layers.3.mlp.silu`), except inside an activation module, which is read
+  once as itself; a parameter-free leaf module whose output is such a call's output (Hugging
+  Face's `GELUActivation`) takes that reading under its own path;
+- repeated names in one forward get `#2`, `#3`, ...
+Each tensor is read the moment it is made, before any in-place change. Unit axes come from
+`_torch_axes.Axes`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.overrides import TorchFunctionMode
+
+from ._torch_axes import LOST, Axes, op_name
+from ._torch_kinds import ACTIVATIONS, function_kind, module_bounds, module_kind
+
+WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The eager module under `torch.compile`, DistributedDataParallel and FSDP wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (
+            getattr(model, "module", None) if type(model).__name__ in (
+                "DistributedDataParallel", "FullyShardedDataParallel", "DataParallel") else None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def module_path(name: str) -> str:
+    """A module's path with wrapper segments (compiled, FSDP, checkpointed) left out."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def output_tensors(output, prefix: str = ""):
+    """(suffix, tensor) for every tensor in an output: a tensor, tuple, list, dict or dataclass."""
+    if isinstance(output, torch.Tensor):
+        yield prefix, output
+    elif isinstance(output, (tuple, list)):
+        for i, o in enumerate(output):
+            yield from output_tensors(o, f"{prefix}.{i}")
+    elif isinstance(output, dict):
+        for k, o in output.items():
+            yield from output_tensors(o, f"{prefix}.{k}")
+    elif is_dataclass(output) and not isinstance(output, type):
+        for f in fields(output):
+            yield from output_tensors(getattr(output, f.name), f"{prefix}.{f.name}")
+
+
+@dataclass
+class Output:
+    """A tensor to read: its reading's name, kind, bounds, unit axis, and the module it belongs to."""
+
+    name: str
+    kind: str
+    bounds: tuple[float, float] | None
+    tensor: torch.Tensor
+    axis: int | None
+    module: torch.nn.Module | None
+
+
+class _Frame:
+    __slots__ = ("path", "module", "kind", "leaf", "last")
+
+    def __init__(self, path, module, kind, leaf):
+        self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
+        self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
+
+
+class ForwardTrace(TorchFunctionMode):
+    """Active around forwards of `model`: calls `sink(Output)` for every reading that
+    `wanted(name, module)` selects, in forward order. Names count every reading, selected or not,
+    so they are the model's whatever the selection. A reading a wrapper module takes over after
+    the sink saw it is renamed in place (`Output.name`), or set to None when not selected."""
+
+    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True):
+        super().__init__()
+        self.sink, self.wanted = sink, wanted
+        self.paths = {m: module_path(n) for n, m in model.named_modules()}
+        self.kinds = {m: module_kind(m) for m in self.paths}
+        self.leaves = {m for m in self.paths if not any(True for _ in m.children())}
+        self.axes = Axes()
+        self.stack: list[_Frame] = []
+        self.calls: dict[str, int] = {}
+        self._busy = False
+        self._hooks = []
+
+    def __enter__(self):
+        self.axes, self.stack, self.calls = Axes(), [], {}
+        self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
+                       nn_module.register_module_forward_hook(self._exit_module, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.stack = [], []
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._busy or not isinstance(out, (torch.Tensor, tuple, list)):
+            return out
+        self._busy = True
+        try:
+            self.axes.follow(func, args, kwargs, out)
+            name = op_name(func)
+            found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
+            frame = self.stack[-1] if self.stack else None
+            if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
+                self._functional(frame, name.rstrip("_"), *found, out)
+        finally:
+            self._busy = False
+        return out
+
+    def _functional(self, frame: _Frame | None, fname: str, kind: str, bounds, out: torch.Tensor) -> None:
+        name = self._name(f"{frame.path}.{fname}" if frame and frame.path else fname)
+        wrapper = frame is not None and self._wrapper(frame)
+        own = self.wanted(name, None)
+        if own or (wrapper and self.wanted(frame.path, frame.module)):
+            read = self._sink(name, kind, bounds, out, None)
+            if wrapper:
+                self._settle_last(frame)
+                frame.last = (out, read, own)
+
+    @staticmethod
+    def _settle_last(frame: _Frame) -> None:
+        """The wrapper's last reading was not its output: it keeps its own name, if selected."""
+        if frame.last is not None and not frame.last[2]:
+            frame.last[1].name = None
+        frame.last = None
+
+    def _wrapper(self, frame: _Frame) -> bool:
+        """A parameter-free leaf module of no known kind: it may be a wrapper around one activation."""
+        return frame.kind is None and frame.leaf and not any(True for _ in frame.module.parameters(recurse=False))
+
+    def _name(self, base: str) -> str:
+        n = self.calls[base] = self.calls.get(base, 0) + 1
+        return base if n == 1 else f"{base}#{n}"
+
+    def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module) -> Output:
+        axis = self.axes.of(t)
+        out = Output(name, kind, bounds, t, None if axis is LOST else axis, module)
+        self.sink(out)
+        return out
+
+    def _enter_module(self, module, inputs):
+        if module in self.paths and not self._busy:
+            self.stack.append(_Frame(self.paths[module], module, self.kinds[module], module in self.leaves))
+
+    def _exit_module(self, module, inputs, output):
+        if module not in self.paths or self._busy:
+            return
+        while self.stack and self.stack[-1].module is not module:
+            self.stack.pop()  # a forward that raised inside
+        if not self.stack:
+            return
+        frame = self.stack.pop()
+        self._busy = True
+        try:
+            self._module_output(frame, output)
+        finally:
+            self._busy = False
+
+    def _module_output(self, frame: _Frame, output) -> None:
+        if frame.last is not None and frame.last[0] is output:
+            name = self._name(frame.path)  # a wrapper that applies one activation: the reading is its own
+            read = frame.last[1]
+            read.name, read.module = (name, frame.module) if self.wanted(name, frame.module) else (None, None)
+            return
+        self._settle_last(frame)
+        if frame.kind is None or not frame.path:
+            return
+        for suffix, t in output_tensors(output):
+            name = self._name(frame.path + suffix)
+            # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
+            kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
+            if self.wanted(name, frame.module):
+                self._sink(name, kind, module_bounds(frame.module, kind), t, frame.module)

@@ -1,0 +1,81 @@
+"""The PyTorch adapter on model code we did not write: Hugging Face `transformers` language and
+vision models built from small configs (no weights downloaded). Every activation the model
+applies is read once with its kind, and units killed by construction read as dead."""
+from __future__ import annotations
+
+import warnings
+
+import polars as pl
+import pytest
+import torch
+import transformers
+
+import actrace
+from actrace.adapters._torch_kinds import ACTIVATIONS
+from actrace.adapters.torch import Monitor
+from actrace.analyzer.metrics import metrics
+
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2Model(cfg)
+    return model, torch.randint(0, 100, (4, 12)), model.h[0].mlp.c_fc.bias, \
+        {"h.0.mlp.act": ("gelu", 128), "h.1.mlp.act": ("gelu", 128)}
+
+
+def llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=100, mlp_bias=True)
+    model = transformers.LlamaModel(cfg)
+    return model, {"input_ids": torch.randint(0, 100, (4, 12))}, model.layers[0].mlp.gate_proj.bias, \
+        {"layers.0.mlp.act_fn": ("silu", 64), "layers.1.mlp.act_fn": ("silu", 64)}
+
+
+def convnext():
+    cfg = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                      image_size=32)
+    model = transformers.ConvNextModel(cfg)
+    return model, torch.randn(2, 3, 32, 32), model.encoder.stages[0].layers[0].pwconv1.bias, \
+        {"encoder.stages.0.layers.0.act": ("gelu", 32), "encoder.stages.1.layers.0.act": ("gelu", 64)}
+
+
+def vit():
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64)
+    model = transformers.ViTModel(cfg)
+    first = next(m for n, m in model.named_modules() if n.endswith("0.mlp.fc1") or n.endswith("0.intermediate.dense"))
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Module) and n.endswith(
+        ("mlp.activation_fn", "intermediate.intermediate_act_fn"))}
+    return model, torch.randn(2, 3, 16, 16), first.bias, {**{n: ("gelu", 64) for n in names},
+                                                         "pooler.activation": ("tanh", 32)}
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "convnext": convnext, "vit": vit}
+
+
+@pytest.mark.parametrize("build", MODELS.values(), ids=MODELS.keys())
+def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp_path, build, cli):
+    torch.manual_seed(0)
+    model, probe, first_bias, expected = build()
+    with torch.no_grad():
+        first_bias[:8] = -1e4  # gelu/silu of -1e4 is exactly 0: 8 dead units in the first block
+    path = tmp_path / "hf.parquet"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no axis lost, no eval-mode doubt on these models
+        with Monitor(model, probe, path) as mon:
+            mon.probe_reading(0)
+    t = actrace.read_table(path).to_pylist()
+    acts = {r["layer"]: (r["kind"], r["units"]) for r in t if r["kind"] in ACTIVATIONS}
+    assert acts == expected
+    assert all(r["unit_axis"] is not None for r in t)
+    m = metrics(path).filter(pl.col("stream") == "activation")
+    dead = dict(zip(m["layer"], m["dead_fraction"]))
+    first = min(expected, key=lambda n: [r["layer"] for r in t].index(n))
+    assert dead[first] == 8 / expected[first][1]
+    assert all(dead[n] == 0 for n in expected if n != first)
+    res = cli("summary", path)
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(first + " "))
+    assert expected[first][0] in line and f"{100 * 8 / expected[first][1]:.0f}%" in line

@@ -1,0 +1,359 @@
+"""PyTorch adapter on the models people write: functional activations, channels-last tensors,
+third-party activation modules, wrapped and compiled models, mixed precision, any probe. Every
+expected value is known by construction (units killed by a far-negative bias, outputs pinned)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actrace
+from actrace.adapters.torch import Monitor
+from actrace.analyzer.findings import findings
+from actrace.analyzer.metrics import metrics
+
+
+def rows(path, stream="activation"):
+    return {r["layer"]: r for r in actrace.read_table(path).to_pylist() if r["stream"] == stream}
+
+
+def dead(path, layer):
+    m = metrics(path).filter((pl.col("stream") == "activation") & (pl.col("layer") == layer))
+    return m["dead_fraction"].to_list()
+
+
+def record(model, probe, path, steps=(0,), **kw):
+    with Monitor(model, probe, path, **kw) as mon:
+        for step in steps:
+            mon.probe_reading(step)
+    return path
+
+
+def kill(bias: torch.Tensor, n: int) -> None:
+    with torch.no_grad():
+        bias[:n] = -1e4
+
+
+class FunctionalFFN(nn.Module):
+    """`F.relu(x @ w1 + b1) @ w2` and `torch.tanh`, `x.relu()`, `relu_`: no activation module at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(16, 40) / 4), nn.Parameter(torch.zeros(40))
+        self.w2 = nn.Parameter(torch.randn(40, 12) / 6)
+        self.b3 = nn.Parameter(torch.full((12,), 8.0))
+
+    def forward(self, x):
+        h = F.relu(x @ self.w1 + self.b1)
+        g = torch.tanh(h @ self.w2 * 0.1 + self.b3)
+        return g.relu() + (x[:, :12] * 1).relu_()
+
+
+def test_functional_calls_are_read_with_their_truth(tmp_path):
+    torch.manual_seed(0)
+    model = FunctionalFFN()
+    kill(model.b1, 10)
+    path = record(nn.Sequential(model), torch.randn(64, 16), tmp_path / "f.parquet")
+    got = rows(path)
+    assert [n for n in got if n.startswith("0.")] == ["0.relu", "0.tanh", "0.relu#2", "0.relu#3"]
+    assert got["0.relu"]["kind"] == "relu" and got["0.relu"]["units"] == 40
+    assert dead(path, "0.relu") == [10 / 40]
+    m = metrics(path).filter(pl.col("layer") == "0.tanh")
+    assert got["0.tanh"]["kind"] == "tanh" and m["saturation_unit"][0] == 1.0  # pinned at +1 by a bias of 8
+    assert got["0"]["kind"] == "other"  # the parameterized module itself, read at its output
+
+
+class SwiGLU(nn.Module):
+    """A LLaMA-style MLP: down(F.silu(gate(x)) * up(x))."""
+
+    def __init__(self, d=16, hidden=32):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, hidden), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_swiglu_mlp_reads_its_silu_with_units_on_the_hidden_axis(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(SwiGLU(), SwiGLU())
+    kill(model[1].gate.bias, 8)  # silu(-1e4) is exactly 0 in float32
+    path = record(model, torch.randn(8, 5, 16), tmp_path / "s.parquet")
+    got = rows(path)
+    assert got["1.silu"]["kind"] == "silu" and got["1.silu"]["unit_axis"] == 2 and got["1.silu"]["units"] == 32
+    assert dead(path, "1.silu") == [8 / 32] and dead(path, "0.silu") == [0.0]
+
+
+class NewGELUActivation(nn.Module):
+    """As Hugging Face writes it: a formula with a tanh inside, which is not a tanh layer."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class Activation(nn.Module):
+    """A wrapper whose name says nothing: it is what it computes."""
+
+    def forward(self, x):
+        return F.hardtanh(x, -2.0, 2.0)
+
+
+def test_activation_modules_of_other_libraries_are_read_once_with_their_kind(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 24), NewGELUActivation(), nn.Linear(24, 24), Activation())
+    kill(model[0].bias, 6)
+    with torch.no_grad():
+        model[2].bias[:12] = 50.0  # hard-tanh(-2, 2) pinned at 2 for those 12 units
+    path = record(model, torch.randn(32, 8), tmp_path / "a.parquet")
+    got = rows(path)
+    assert list(got) == ["0", "1", "2", "3"]  # no "1.tanh", no "3.hardtanh"
+    assert got["1"]["kind"] == "gelu" and dead(path, "1") == [6 / 24]
+    assert got["3"]["kind"] == "hard_tanh" and (got["3"]["bound_lo"], got["3"]["bound_hi"]) == (-2.0, 2.0)
+    assert metrics(path).filter(pl.col("layer") == "3")["saturation_unit"][0] == 0.5
+
+
+class ChannelsLast(nn.Module):
+    """conv → ReLU → permute to NHWC → ReLU and Linear over channels: units are last after the permute."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 6)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x)).permute(0, 2, 3, 1)
+        return self.fc(F.relu(h * 2))
+
+
+def test_channels_last_tensors_are_read_with_units_where_they_are(tmp_path):
+    torch.manual_seed(0)
+    model = ChannelsLast()
+    kill(model.conv.bias, 2)  # a quarter of the channels
+    path = record(nn.Sequential(model), torch.randn(4, 3, 8, 8), tmp_path / "c.parquet", probe_chunk=3)
+    got = rows(path)
+    assert (got["0.conv"]["unit_axis"], got["0.conv"]["units"]) == (1, 8)
+    assert (got["0.relu"]["unit_axis"], got["0.relu#2"]["unit_axis"], got["0.fc"]["unit_axis"]) == (1, 3, 3)
+    assert dead(path, "0.relu") == dead(path, "0.relu#2") == [2 / 8]
+    assert got["0.fc"]["units"] == 6
+
+
+class Conv1dOverTime(nn.Module):
+    """A sequence model [B, T, C] that transposes into Conv1d and back, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv1d(12, 12, 3, padding=1), nn.Linear(12, 12)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        return F.relu(self.fc(h))
+
+
+def test_a_transposed_conv1d_keeps_its_channels_and_every_chunk_agrees(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1dOverTime(), Conv1dOverTime())
+    kill(model[0].conv.bias, 3)
+    path = record(model, torch.randn(10, 12, 12), tmp_path / "t.parquet", probe_chunk=4)  # T = C: only construction tells
+    got = rows(path)
+    assert got["0.conv"]["unit_axis"] == 1 and got["0.relu"]["unit_axis"] == 1 and got["0.fc"]["unit_axis"] == 2
+    assert dead(path, "0.relu") == [3 / 12]
+    assert got["1.conv"]["unit_axis"] == 1  # no state carried from one layer to the next
+
+
+def test_an_axis_that_cannot_be_followed_is_one_unit_and_said_once(tmp_path):
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.fc(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+            return torch.softmax(q @ q.transpose(-1, -2), dim=-1)  # scores: no unit axis
+
+    with pytest.warns(UserWarning, match=r"cannot be followed.*0\.softmax") as caught:
+        path = record(nn.Sequential(Heads()), torch.randn(3, 5, 8), tmp_path / "h.parquet", steps=(0, 1))
+    assert sum("cannot be followed" in str(w.message) for w in caught) == 1
+    r = rows(path)["0.softmax"]
+    assert r["unit_axis"] is None and r["units"] == 1 and r["kind"] == "softmax"
+    assert rows(path, "activation")["0.softmax"]["count"] == 3 * 2 * 5 * 5
+    assert Monitor(nn.Sequential(Heads()), torch.randn(3, 5, 8), tmp_path / "u.parquet",
+                   unit_axes={"*.softmax": 3}).close() is not None
+
+
+class OutputFirst(nn.Module):
+    """Blocks defined output-first: definition order is the reverse of the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 1)
+        self.middle = nn.Linear(16, 16)
+        self.stem = nn.Linear(4, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.middle(torch.relu(self.stem(x)))))
+
+
+def test_depth_is_forward_order_even_when_gradients_come_first(tmp_path):
+    torch.manual_seed(0)
+    model = OutputFirst()
+    with Monitor(model, torch.randn(8, 4), tmp_path / "d.parquet", probe_every=1000) as mon:
+        model(torch.randn(8, 4)).sum().backward()
+        mon.step(5)  # a gradient reading, no probe reading
+    grads = rows(tmp_path / "d.parquet", "param_grad")
+    index = {r["layer"]: r["layer_index"] for r in actrace.read_table(tmp_path / "d.parquet").to_pylist()}
+    assert set(grads) == {"stem", "middle", "head"}
+    assert index["stem"] < index["middle"] < index["head"]
+
+
+def test_a_mutated_or_replaced_probe_is_seen_at_the_next_reading(tmp_path):
+    torch.manual_seed(0)
+    model, probe = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(16, 4)
+    path = tmp_path / "p.parquet"
+    with Monitor(model, probe, path) as mon:
+        mon.probe_reading(0)
+        mon.probe_reading(1)
+        probe.normal_()
+        mon.probe_reading(2)
+        mon.probe = torch.ones(16, 4)
+        mon.probe_reading(3)
+    fps = {r["step"]: r["probe_fingerprint"] for r in actrace.read_table(path).to_pylist()}
+    assert fps[0] == fps[1] and len({fps[1], fps[2], fps[3]}) == 3
+    assert fps[2] == actrace.fingerprint(probe.numpy()) and fps[3] == actrace.fingerprint(np.ones((16, 4), np.float32))
+    assert any(f.rule == "probe_changed" for f in findings(metrics(path)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_any_float_dtype_reads_the_same_truth(tmp_path, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+    kill(model[0].bias, 8)
+    model = model.to(dtype)
+    path = record(model, torch.randn(64, 8, dtype=dtype), tmp_path / "b.parquet")
+    assert rows(path)["1"]["dtype"] == str(dtype).removeprefix("torch.")
+    assert dead(path, "1") == [8 / 32]
+
+
+class Tagger(nn.Module):
+    """Integer ids and a mask as keyword inputs, nested in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 8)
+
+    def forward(self, ids, extra):
+        return F.relu(self.fc(self.emb(ids))) * extra["mask"][..., None]
+
+
+def test_structured_probes_with_integer_ids_are_chunked_and_fingerprinted(tmp_path):
+    torch.manual_seed(0)
+    probe = {"ids": torch.randint(0, 50, (10, 6)), "extra": {"mask": torch.ones(10, 6)}}
+    model = Tagger()
+    kill(model.fc.bias, 2)
+    whole = rows(record(model, probe, tmp_path / "w.parquet"))
+    chunked = rows(record(model, probe, tmp_path / "c.parquet", probe_chunk=3))
+    assert whole["relu"]["count"] == chunked["relu"]["count"] == 10 * 6 * 8
+    assert whole["relu"]["unit_zero"] == chunked["relu"]["unit_zero"]
+    assert dead(tmp_path / "c.parquet", "relu") == [2 / 8]
+    assert whole["emb"]["probe_fingerprint"] == chunked["emb"]["probe_fingerprint"]
+
+
+def test_a_probe_the_model_cannot_take_fails_at_construction_in_one_line(tmp_path):
+    with pytest.raises(ValueError) as err:
+        Monitor(nn.Sequential(nn.Linear(4, 8)), torch.randn(3, 5), tmp_path / "x.parquet")
+    message = str(err.value)
+    assert "cannot take the probe" in message and "(3, 5)" in message and "RuntimeError" in message
+    assert "\n" not in message and not (tmp_path / "x.parquet").exists()
+
+
+def test_a_nested_tensor_is_read_over_its_real_values_only():
+    from actrace.adapters._torch_reduce import reduce_tensor, to_readings
+    from actrace.reduce import reduce_array
+
+    a, b = torch.randn(3, 4), torch.randn(5, 4)
+    (r,) = to_readings([reduce_tensor(torch.nested.nested_tensor([a, b]), 2, "linear", layer="n")])
+    want = reduce_array(torch.cat([a, b]).numpy(), 1, "linear")
+    assert r.count == 8 * 4 and r.units == 4
+    np.testing.assert_allclose(r.unit_sum, want.unit_sum, rtol=1e-6)
+    np.testing.assert_array_equal(r.hist, want.hist)
+
+
+def test_a_transformer_encoder_with_a_padding_mask_is_read(tmp_path):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2)  # the nested-tensor fast path where hooks allow it
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 4:] = True
+    path = record(model, (torch.randn(4, 6, 16), None, mask), tmp_path / "n.parquet")
+    got = rows(path)
+    assert {"layers.0.relu", "layers.1.relu", "layers.1.linear2"} <= set(got)
+    assert got["layers.0.relu"]["units"] == 32
+
+
+class IgnoresEval(nn.Module):
+    """A dropout that stays on in eval mode."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=True)
+
+
+def test_a_module_that_ignores_eval_is_named_and_readings_are_marked_train(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), IgnoresEval(), nn.Linear(16, 4))
+    with pytest.warns(UserWarning, match=r"differ, first at '3'.*ignores eval\(\)"):
+        path = record(model, torch.randn(16, 8), tmp_path / "t.parquet")
+    assert {r["mode"] for r in rows(path).values()} == {"train"}
+    assert any(f.rule == "train_mode" for f in findings(metrics(path)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clean = record(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5)), torch.randn(16, 8), tmp_path / "e.parquet")
+    assert {r["mode"] for r in rows(clean).values()} == {"eval"}
+
+
+def test_a_compiled_model_reads_like_the_eager_one(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    kill(model[0].bias, 4)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Monitor(compiled, torch.randn(32, 8), tmp_path / "c.parquet", probe_every=2) as mon:
+        for step in range(3):
+            opt.zero_grad()
+            compiled(torch.randn(16, 8)).pow(2).mean().backward()
+            mon.step(step)
+            opt.step()
+    eager = record(model, torch.randn(32, 8), tmp_path / "e.parquet")
+    assert set(rows(tmp_path / "c.parquet")) == set(rows(eager)) == {"0", "1", "2"}
+    assert set(rows(tmp_path / "c.parquet", "param_grad")) == {"0", "2"}
+    assert dead(tmp_path / "c.parquet", "1") == [4 / 16, 4 / 16]
+
+
+def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pathology(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    true = {}
+    with Monitor(model, x, tmp_path / "a.parquet", probe_every=100, scaler=scaler) as mon:
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(x * (1e38 if step == 2 else 1)).pow(2).mean()  # step 2 overflows
+            scaler.scale(loss).backward()
+            true[step] = model[0].weight.grad.norm().item() / scaler.get_scale()
+            if step == 1:
+                scaler.unscale_(opt)  # read after unscale_: no second division
+            mon.step(step)
+            scaler.step(opt)
+            scaler.update()
+    g = {(r["step"], r["layer"], r["param"]): r for r in actrace.read_table(tmp_path / "a.parquet").to_pylist()
+         if r["stream"] == "param_grad"}
+    assert np.sqrt(g[(0, "0", "weight")]["sumsq"]) == pytest.approx(true[0], rel=1e-6)
+    assert np.sqrt(g[(1, "0", "weight")]["sumsq"]) == pytest.approx(true[1], rel=1e-6)
+    assert true[0] < 10 and {g[(s, "0", "weight")]["mode"] for s in (0, 1)} == {"train"}
+    assert g[(2, "0", "weight")]["mode"] == "skipped"
+    rules = {f.rule for f in findings(metrics(tmp_path / "a.parquet"))}
+    assert "scaler_skipped" in rules and "nan_inf" not in rules and "exploding_gradients" not in rules
