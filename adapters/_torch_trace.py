@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, is_dataclass
 
 import torch
+from torch import overrides
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
@@ -24,6 +25,9 @@ from ._torch_axes import LOST, Axes, op_name
 from ._torch_kinds import ACTIVATIONS, function_kind, module_bounds, module_kind
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# modules read only at their output, whose insides run untraced (so on their fused fast paths),
+# with the unit axis of their first output
+OPAQUE = {torch.nn.MultiheadAttention: -1}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,10 +74,11 @@ class Output:
 
 
 class _Frame:
-    __slots__ = ("path", "module", "kind", "leaf", "last")
+    __slots__ = ("path", "module", "kind", "leaf", "last", "paused")
 
     def __init__(self, path, module, kind, leaf):
         self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
+        self.paused = False  # an opaque module, run with the trace's mode off
         self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
 
 
@@ -157,7 +162,10 @@ class ForwardTrace(TorchFunctionMode):
 
     def _enter_module(self, module, inputs):
         if module in self.paths and not self._busy:
-            self.stack.append(_Frame(self.paths[module], module, self.kinds[module], module in self.leaves))
+            frame = _Frame(self.paths[module], module, self.kinds[module], module in self.leaves)
+            self.stack.append(frame)
+            if type(module) in OPAQUE and overrides._get_current_function_mode() is self:
+                frame.paused = overrides._pop_mode() is self
 
     def _exit_module(self, module, inputs, output):
         if module not in self.paths or self._busy:
@@ -167,6 +175,10 @@ class ForwardTrace(TorchFunctionMode):
         if not self.stack:
             return
         frame = self.stack.pop()
+        if frame.paused:
+            overrides._push_mode(self)
+            out = output[0] if isinstance(output, tuple) else output
+            self.axes.set(out, OPAQUE[type(module)])
         self._busy = True
         try:
             self._module_output(frame, output)
