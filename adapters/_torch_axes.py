@@ -114,6 +114,11 @@ class Axes:
     def of(self, t: torch.Tensor) -> int | None:
         return self.known.get(t, LOST)
 
+    @staticmethod
+    def channels(t: torch.Tensor, spatial: tuple[int]) -> int | None:
+        """Channels of a conv or pool output: axis 1 batched, 0 unbatched (`[C, L]`)."""
+        return {spatial[0] + 2: 1, spatial[0] + 1: 0}.get(t.ndim, LOST)
+
     def made_by(self, t: torch.Tensor) -> str | None:
         """The kind of layer op (linear, conv, norm, embedding) that made `t`, through reshapes."""
         return self.made.get(t)
@@ -140,7 +145,9 @@ class Axes:
             outs = out[:1] if name == "multi_head_attention_forward" else out
             return self.set(outs, -1)
         if _CHANNELS.match(name):
-            return self.set(out[0] if isinstance(out, tuple) else out, 1)
+            out = out[0] if isinstance(out, tuple) else out
+            spatial = re.search(r"(\d)d", name)
+            return self.set(out, self.channels(out, (int(spatial[1]),)) if spatial else 1)
         seen = [(t, self.known[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.known]
         if name in _MATMUL:
             return self.set(out, self._matmul(args[_MATMUL[name]] if len(args) > _MATMUL[name] else None))

@@ -36,6 +36,24 @@ _CLASS = re.compile(r"^(?:pytorch|new|fast|quick|accurate|approx(?:imate)?)?(?P<
                     r"(?:activation|act|layer|module|fn)?$")
 ACTIVATIONS = frozenset(_NAMED.values())
 
+# `torch.nn` modules read only at their output, their insides untraced (one op each, on its fast
+# path): the unit axis of the output (an axis, (spatial dims,) for channels, or SAME as the
+# input's) and the layer op that makes it. Exact classes: a subclass may compute otherwise.
+SAME = "same"
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_POOL = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+         nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+         nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+OPAQUE: dict[type, tuple] = {
+    nn.Linear: (-1, "linear"), nn.Bilinear: (-1, "linear"), nn.Embedding: (-1, "embedding"),
+    nn.LayerNorm: (-1, "norm"), nn.RMSNorm: (-1, "norm"), nn.MultiheadAttention: (-1, None),
+    nn.BatchNorm1d: (1, "norm"), nn.BatchNorm2d: (1, "norm"), nn.BatchNorm3d: (1, "norm"), nn.GroupNorm: (1, "norm"),
+    **{cls: ((int(cls.__name__[-2]),), "conv") for cls in _CONV},
+    **{cls: ((int(cls.__name__[-2]),), None) for cls in _POOL},
+    **{cls: (SAME, None) for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)},
+    **{cls: (SAME, None) for cls, _ in _NN_ACTIVATIONS if cls is not nn.Softmax},
+}
+
 
 def module_kind(module: nn.Module) -> str | None:
     """The spec's kind of a module's output, or None for a module that is not read (containers,

@@ -43,6 +43,7 @@ class Pending:
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
     source: torch.Tensor | None = None  # torch path, until `settle`: for the rare exact non-finite re-count
+    relu: dict | None = None            # the statistics of relu(x), when the pass was asked for them
 
     def merge(self, other: "Pending") -> None:
         """Fold the statistics of another (settled) chunk of the same tensor into this one."""
@@ -94,9 +95,12 @@ def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, 
 
 
 def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
-                  bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True) -> Pending:
+                  bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True,
+                  relu_too: bool = False) -> Pending:
     """Reduce a floating tensor over every axis but `unit_axis`, now (before anything can change it
-    in place), on its device: CPU float32 by the fused kernel, anything else by torch kernels."""
+    in place), on its device: CPU float32 by the fused kernel, anything else by torch kernels.
+    With `relu_too`, the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x
+    holds no NaN or Inf: a ReLU that follows is read without a pass of its own (see `relu_of`)."""
     x = t.detach()
     dtype = str(x.dtype).removeprefix("torch.")
     if not x.is_floating_point():
@@ -121,13 +125,15 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
             view = x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1)
         else:
             view = x.contiguous().view(1, 1, -1)
-        st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit)
+        st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit, relu_too)
         pending.stats = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"],
                          "unit_max": st["max"], "unit_min_dev": st["min_dev"], "unit_zero": st["zero"],
                          "unit_count": st["finite"], "nan": st["nan_inf"][:1], "inf": st["nan_inf"][1:],
                          "shape0": np.array([shape0])}
         if st["hist"] is not None:
             pending.stats["hist"] = st["hist"]
+        if relu_too and not st["nan_inf"].any():
+            pending.relu = _relu_stats(pending.stats, st)
         return pending
     pending.source = x
     dims = [d for d in range(x.ndim) if d != axis]
@@ -162,6 +168,25 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         s["hist"] = bucketize_histogram(x)
     pending.stats = s
     return pending
+
+
+def _relu_stats(stats: dict, st: dict) -> dict:
+    """relu(x)'s statistics from x's fused pass: its sums and zeros come from the kernel; min, max
+    and min |h| follow from x's; values <= 0 land in zero's bin."""
+    lo = np.maximum(st["min"], 0)
+    relu = {**stats, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
+            "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
+    if "hist" in stats:
+        hist = relu["hist"] = stats["hist"].copy()
+        hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
+        hist[: bins.ZERO_BIN] = 0
+    return relu
+
+
+def relu_of(source: Pending, layer: str) -> Pending:
+    """The reading of relu(x), from the pass over x that was asked for it."""
+    return Pending(layer, "relu", source.stream, source.dtype, source.shape, source.unit_axis,
+                   bounds_for("relu"), stats=dict(source.relu))
 
 
 def _units(p: Pending) -> int:

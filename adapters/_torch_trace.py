@@ -22,12 +22,9 @@ from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
 from ._torch_axes import LOST, Axes, op_name
-from ._torch_kinds import ACTIVATIONS, function_kind, module_bounds, module_kind
+from ._torch_kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-# modules read only at their output, whose insides run untraced (so on their fused fast paths),
-# with the unit axis of their first output
-OPAQUE = {torch.nn.MultiheadAttention: -1}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,7 +60,9 @@ def output_tensors(output, prefix: str = ""):
 
 @dataclass
 class Output:
-    """A tensor to read: its reading's name, kind, bounds, unit axis, and the module it belongs to."""
+    """A tensor to read: its reading's name, kind, bounds, unit axis, and the module it belongs to.
+    `feeds_relu`: a ReLU of exactly this tensor comes next, so its pass may give that reading
+    too; `relu_of`: this ReLU's reading may come from that Output's pass. `reading` is the sink's."""
 
     name: str
     kind: str
@@ -71,14 +70,18 @@ class Output:
     tensor: torch.Tensor
     axis: int | None
     module: torch.nn.Module | None
+    feeds_relu: bool = False
+    relu_of: "Output | None" = None
+    reading: object = None
 
 
 class _Frame:
-    __slots__ = ("path", "module", "kind", "leaf", "last", "paused")
+    __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source")
 
     def __init__(self, path, module, kind, leaf):
         self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
         self.paused = False  # an opaque module, run with the trace's mode off
+        self.source = None   # an opaque ReLU's input, whose pass gives its reading
         self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
 
 
@@ -99,14 +102,17 @@ class ForwardTrace(TorchFunctionMode):
         self.calls: dict[str, int] = {}
         self._busy = False
         self._hooks = []
+        self.open: Output | None = None   # the newest layer output, sunk at the next event
+        self.relu: tuple | None = None    # (relu's output tensor, the Output whose pass gives its reading)
 
     def __enter__(self):
-        self.axes, self.stack, self.calls = Axes(), [], {}
+        self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, always_call=True)]
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._flush()
         for h in self._hooks:
             h.remove()
         self._hooks, self.stack = [], []
@@ -114,13 +120,18 @@ class ForwardTrace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._busy:
+            return func(*args, **kwargs)
+        name = op_name(func)
+        source = self._before(name in ("relu", "relu_"), args)  # before the call: it may change the open tensor
         out = func(*args, **kwargs)
-        if self._busy or not isinstance(out, (torch.Tensor, tuple, list)):
+        if not isinstance(out, (torch.Tensor, tuple, list)):
             return out
         self._busy = True
         try:
             self.axes.follow(func, args, kwargs, out)
-            name = op_name(func)
+            if source is not None:
+                self.relu = (out, source)
             found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
@@ -128,6 +139,25 @@ class ForwardTrace(TorchFunctionMode):
         finally:
             self._busy = False
         return out
+
+    def _before(self, relu: bool, args) -> Output | None:
+        """Sink the open output before any op runs; if the op is a ReLU of exactly that tensor, the
+        one pass is asked for the ReLU's reading too (returned: the ReLU's source)."""
+        opened, self.relu = self.open, None
+        if opened is None:
+            return None
+        opened.feeds_relu = relu and bool(args) and args[0] is opened.tensor
+        self._flush()
+        return opened if opened.feeds_relu else None
+
+    def _flush(self) -> None:
+        if self.open is not None:
+            opened, self.open = self.open, None
+            busy, self._busy = self._busy, True
+            try:
+                self.sink(opened)
+            finally:
+                self._busy = busy
 
     def _functional(self, frame: _Frame | None, fname: str, kind: str, bounds, out: torch.Tensor) -> None:
         name = self._name(f"{frame.path}.{fname}" if frame and frame.path else fname)
@@ -154,10 +184,18 @@ class ForwardTrace(TorchFunctionMode):
         n = self.calls[base] = self.calls.get(base, 0) + 1
         return base if n == 1 else f"{base}#{n}"
 
-    def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module) -> Output:
+    def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False) -> Output:
+        """Hand a reading to the sink; a layer output (`defer`) waits for the next event, in case
+        a ReLU of it follows."""
         axis = self.axes.of(t)
         out = Output(name, kind, bounds, t, None if axis is LOST else axis, module)
-        self.sink(out)
+        if self.relu is not None and self.relu[0] is t:
+            out.relu_of = self.relu[1]
+        self._flush()
+        if defer:
+            self.open = out
+        else:
+            self.sink(out)
         return out
 
     def _enter_module(self, module, inputs):
@@ -165,11 +203,14 @@ class ForwardTrace(TorchFunctionMode):
             frame = _Frame(self.paths[module], module, self.kinds[module], module in self.leaves)
             self.stack.append(frame)
             if type(module) in OPAQUE and overrides._get_current_function_mode() is self:
+                # read only at its output: run its insides untraced (on their fast paths), as an op
+                frame.source = self._before(type(module) is torch.nn.ReLU, inputs)
                 frame.paused = overrides._pop_mode() is self
 
     def _exit_module(self, module, inputs, output):
         if module not in self.paths or self._busy:
             return
+        self._flush()
         while self.stack and self.stack[-1].module is not module:
             self.stack.pop()  # a forward that raised inside
         if not self.stack:
@@ -177,13 +218,29 @@ class ForwardTrace(TorchFunctionMode):
         frame = self.stack.pop()
         if frame.paused:
             overrides._push_mode(self)
-            out = output[0] if isinstance(output, tuple) else output
-            self.axes.set(out, OPAQUE[type(module)])
+            self._opaque_output(frame, inputs, output)
         self._busy = True
         try:
             self._module_output(frame, output)
         finally:
             self._busy = False
+
+    def _opaque_output(self, frame: _Frame, inputs, output) -> None:
+        """An opaque module's output axis (its own rule, or its input's for elementwise ones) and
+        maker; the ReLU reading its input's pass gives."""
+        out = output[0] if isinstance(output, tuple) else output
+        if not isinstance(out, torch.Tensor):
+            return  # the forward raised
+        axis, made = OPAQUE[type(frame.module)]
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if axis is SAME:
+            self.axes.set(out, LOST if x is None or x.ndim != out.ndim else self.axes.of(x))
+        else:
+            self.axes.set(out, self.axes.channels(out, axis) if isinstance(axis, tuple) else axis)
+        if made:
+            self.axes.made[out] = made
+        if frame.source is not None:
+            self.relu = (out, frame.source)
 
     def _module_output(self, frame: _Frame, output) -> None:
         if frame.last is not None and frame.last[0] is output:
@@ -199,4 +256,4 @@ class ForwardTrace(TorchFunctionMode):
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):
-                self._sink(name, kind, module_bounds(frame.module, kind), t, frame.module)
+                self._sink(name, kind, module_bounds(frame.module, kind), t, frame.module, defer=True)

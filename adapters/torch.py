@@ -26,7 +26,7 @@ import actrace
 
 from ._torch_kinds import module_kind
 from ._torch_probe import Probe
-from ._torch_reduce import Pending, all_reduce, reduce_tensor, settle, to_readings
+from ._torch_reduce import Pending, all_reduce, reduce_tensor, relu_of, settle, to_readings
 from ._torch_trace import ForwardTrace, Output, module_path, output_tensors, unwrap
 
 __all__ = ["Monitor", "module_kind"]
@@ -133,8 +133,13 @@ class Monitor:
 
     def _read(self, out: Output) -> None:
         if self._floating(out):
-            self._outputs.append((out, reduce_tensor(out.tensor, self._axis(out), out.kind, layer=out.name,
-                                                      bounds=out.bounds, histogram=self.histogram)))
+            source = out.relu_of.reading if out.relu_of is not None else None
+            if isinstance(source, Pending) and source.relu is not None and self._axis(out) == self._axis(out.relu_of):
+                out.reading = relu_of(source, out.name)
+            else:
+                out.reading = reduce_tensor(out.tensor, self._axis(out), out.kind, layer=out.name, bounds=out.bounds,
+                                            histogram=self.histogram, relu_too=out.feeds_relu)
+            self._outputs.append((out, out.reading))
         out.tensor = None  # read: the activation is not held
 
     @contextmanager

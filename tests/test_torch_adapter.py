@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import actrace
-from actrace import bins
+from actrace import bins, kernel
 from actrace.adapters import _torch_reduce
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
@@ -77,15 +77,16 @@ SHAPES = {"dense": ((32, 48), 1), "nchw": ((8, 6, 5, 7), 1), "nhwc": ((8, 5, 7, 
           "sequence": ((4, 9, 24), 2), "whole": ((16, 12), None)}
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape,axis", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("kind", ["relu", "tanh", "sigmoid", "linear"])
-def test_device_reductions_equal_the_numpy_reference(shape, axis, kind, dtype):
+def test_device_reductions_equal_the_numpy_reference(shape, axis, kind, dtype, device):
     g = torch.Generator().manual_seed(1)
     t = torch.randn(shape, generator=g, dtype=torch.float64) * 3
     t = {"relu": t.clamp(min=0), "tanh": torch.tanh(t), "sigmoid": torch.sigmoid(t), "linear": t}[kind].to(dtype)
     t.view(-1)[:3] = 0
-    (got,) = _torch_reduce.to_readings([_torch_reduce.reduce_tensor(t, axis, kind, layer="x")])
+    (got,) = _torch_reduce.to_readings([_torch_reduce.reduce_tensor(t.to(device), axis, kind, layer="x")])
     ref_input = t.float().numpy() if dtype == torch.bfloat16 else t.numpy()
     want = reduce_array(ref_input, axis, kind, layer="x")
     assert (got.count, got.zero_count, got.units, got.shape) == (want.count, want.zero_count, want.units, want.shape)
@@ -148,13 +149,18 @@ def assert_reads(row: dict, t: torch.Tensor, kind: str) -> None:
 
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("nonfinite", [False, True])
-def test_a_relu_read_from_its_inputs_pass_and_in_place_relus_read_what_they_overwrite(tmp_path, inplace, nonfinite):
+def test_a_relu_read_from_its_inputs_pass_and_in_place_relus_read_what_they_overwrite(tmp_path, inplace, nonfinite,
+                                                                                     monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=inplace), nn.Linear(32, 24), nn.ReLU(inplace=inplace))
     probe = torch.randn(64, 16)
     if nonfinite:  # ±inf and NaN before the ReLU; relu(-inf) is 0: these ReLUs take their own pass
         probe[0, 0], probe[1, :] = float("inf"), float("nan")
+    passes = []
+    real = kernel.reduce_f32
+    monkeypatch.setattr(kernel, "reduce_f32", lambda *a, **k: passes.append(a) or real(*a, **k))
     rows = actrace.read_table(record_once(model, probe, tmp_path / "t.parquet")).to_pylist()
+    assert len(passes) == (4 if nonfinite else 2) or not kernel.available  # a ReLU's reading from its input's pass
     with torch.no_grad():
         h0 = model[0](probe)
         h1 = torch.relu(h0)

@@ -18,6 +18,10 @@ from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
 
 
+# every case runs on the CPU; the ones marked with DEVICES run on CUDA too where a GPU is present
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def rows(path, stream="activation"):
     return {r["layer"]: r for r in actrace.read_table(path).to_pylist() if r["stream"] == stream}
 
@@ -79,11 +83,12 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def test_a_swiglu_mlp_reads_its_silu_with_units_on_the_hidden_axis(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_swiglu_mlp_reads_its_silu_with_units_on_the_hidden_axis(tmp_path, device):
     torch.manual_seed(0)
     model = nn.Sequential(SwiGLU(), SwiGLU())
     kill(model[1].gate.bias, 8)  # silu(-1e4) is exactly 0 in float32
-    path = record(model, torch.randn(8, 5, 16), tmp_path / "s.parquet")
+    path = record(model.to(device), torch.randn(8, 5, 16, device=device), tmp_path / "s.parquet")
     got = rows(path)
     assert got["1.silu"]["kind"] == "silu" and got["1.silu"]["unit_axis"] == 2 and got["1.silu"]["units"] == 32
     assert dead(path, "1.silu") == [8 / 32] and dead(path, "0.silu") == [0.0]
@@ -129,11 +134,13 @@ class ChannelsLast(nn.Module):
         return self.fc(F.relu(h * 2))
 
 
-def test_channels_last_tensors_are_read_with_units_where_they_are(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_channels_last_tensors_are_read_with_units_where_they_are(tmp_path, device):
     torch.manual_seed(0)
     model = ChannelsLast()
     kill(model.conv.bias, 2)  # a quarter of the channels
-    path = record(nn.Sequential(model), torch.randn(4, 3, 8, 8), tmp_path / "c.parquet", probe_chunk=3)
+    path = record(nn.Sequential(model).to(device), torch.randn(4, 3, 8, 8, device=device), tmp_path / "c.parquet",
+                  probe_chunk=3)
     got = rows(path)
     assert (got["0.conv"]["unit_axis"], got["0.conv"]["units"]) == (1, 8)
     assert (got["0.relu"]["unit_axis"], got["0.relu#2"]["unit_axis"], got["0.fc"]["unit_axis"]) == (1, 3, 3)
@@ -226,13 +233,14 @@ def test_a_mutated_or_replaced_probe_is_seen_at_the_next_reading(tmp_path):
     assert any(f.rule == "probe_changed" for f in findings(metrics(path)))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_any_float_dtype_reads_the_same_truth(tmp_path, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32])
+def test_any_float_dtype_reads_the_same_truth(tmp_path, dtype, device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
     kill(model[0].bias, 8)
-    model = model.to(dtype)
-    path = record(model, torch.randn(64, 8, dtype=dtype), tmp_path / "b.parquet")
+    model = model.to(device, dtype)
+    path = record(model, torch.randn(64, 8, dtype=dtype, device=device), tmp_path / "b.parquet")
     assert rows(path)["1"]["dtype"] == str(dtype).removeprefix("torch.")
     assert dead(path, "1") == [8 / 32]
 
@@ -331,12 +339,13 @@ def test_a_compiled_model_reads_like_the_eager_one(tmp_path):
     assert dead(tmp_path / "c.parquet", "1") == [4 / 16, 4 / 16]
 
 
-def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pathology(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pathology(tmp_path, device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(16, 4)
+    x = torch.randn(16, 4, device=device)
     true = {}
     with Monitor(model, x, tmp_path / "a.parquet", probe_every=100, scaler=scaler) as mon:
         for step in range(3):
