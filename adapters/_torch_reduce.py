@@ -20,7 +20,9 @@ from actrace import bins, kernel
 from actrace.reduce import Reading, ReductionError, centre, reduce_array
 from actrace.schema import bounds_for
 
-_EDGES_F32 = torch.tensor(np.array(bins._first_f32, dtype=np.float32))
+_EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
+          torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}
+_F64 = torch.float64
 _SUM_FIELDS = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist", "shape0", "nan", "inf")
 _MIN_FIELDS = ("unit_min", "unit_min_dev")
 _MAX_FIELDS = ("unit_max",)
@@ -76,13 +78,15 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
     """The histogram on any device by binary search over the float32 edges (the CUDA path)."""
-    x = x.float()
-    mag = torch.bucketize(x.abs(), _EDGES_F32.to(x.device), right=True)  # |v| >= f_j ⇔ |v| >= E_j
+    x = x if x.dtype == torch.float64 else x.float()  # float64 values binned as they are, not rounded
+    mag = torch.bucketize(x.abs(), _EDGES[x.dtype].to(x.device), right=True)
     idx = torch.where(x > 0, bins.ZERO_BIN + 1 + mag, bins.ZERO_BIN - 1 - mag)
     idx = torch.where(x == 0, bins.ZERO_BIN, idx)
     idx = torch.where(torch.isinf(x), torch.where(x > 0, bins.POS_INF_BIN, bins.NEG_INF_BIN), idx)
     idx = torch.where(torch.isnan(x), bins.N_BINS, idx)
-    return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
+    idx = idx.reshape(-1)
+    hist = torch.zeros(bins.N_BINS + 1, dtype=torch.int64, device=x.device)  # bincount would sync for its size
+    return hist.index_add_(0, idx, torch.ones(1, dtype=torch.int64, device=x.device).expand(len(idx)))[: bins.N_BINS]
 
 
 def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, int | None]:
@@ -142,15 +146,17 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
         flat = x.reshape(-1)
         lo, hi = torch.aminmax(flat)
-        pending.stats = {"unit_sum": flat.sum(), "unit_sumsq": torch.dot(flat, flat), "unit_min": lo,
+        pending.stats = {"unit_sum": flat.sum(dtype=_F64),
+                         "unit_sumsq": torch.square(flat, out=scratch_like(flat, flat.dtype)).sum(dtype=_F64),
+                         "unit_min": lo,
                          "unit_max": hi, "unit_zero": flat.numel() - torch.count_nonzero(flat),
                          "unit_count": torch.tensor(flat.numel(), device=x.device), **common}
         return pending
-    # float32 accumulation uses the backends' pairwise/cascade sums (spec §Numerics); the host adds in float64
+    # sums accumulate in float64 (spec §Numerics): a backend's float32 reduction order is its own
     work = scratch_like(x, x.dtype)
     s = {
-        "unit_sum": x.sum(dims),
-        "unit_sumsq": torch.square(x, out=work).sum(dims),
+        "unit_sum": x.sum(dims, dtype=_F64),
+        "unit_sumsq": torch.square(x, out=work).sum(dims, dtype=_F64),
         "unit_min": x.amin(dims),
         "unit_max": x.amax(dims),
         "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims),

@@ -96,10 +96,12 @@ def test_device_reductions_equal_the_numpy_reference(shape, axis, kind, dtype, d
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_the_accelerator_histogram_path_equals_the_definition():
-    x = torch.cat([torch.randn(5000) * 10 ** torch.randint(-9, 9, (5000,)).float(),
-                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 0.99, -0.999, 1.0]),
-                   torch.from_numpy(bins.MAGNITUDE_EDGES.astype(np.float32))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_accelerator_histogram_path_equals_the_definition(dtype):
+    edges = torch.from_numpy(bins.MAGNITUDE_EDGES).to(dtype)
+    x = torch.cat([torch.randn(5000, dtype=dtype) * 10 ** torch.randint(-9, 9, (5000,)).to(dtype),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 0.99, -0.999, 1.0], dtype=dtype),
+                   edges, edges * (1 - 1e-12), -edges * (1 + 1e-12)])  # float64 values an edge apart
     got = _torch_reduce.bucketize_histogram(x).numpy()
     np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
 

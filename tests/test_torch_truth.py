@@ -350,7 +350,7 @@ def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pat
     with Monitor(model, x, tmp_path / "a.parquet", probe_every=100, scaler=scaler) as mon:
         for step in range(3):
             opt.zero_grad()
-            loss = model(x * (1e38 if step == 2 else 1)).pow(2).mean()  # step 2 overflows
+            loss = model(x * (float("inf") if step == 2 else 1)).pow(2).mean()  # step 2 overflows
             scaler.scale(loss).backward()
             true[step] = model[0].weight.grad.norm().item() / scaler.get_scale()
             if step == 1:
