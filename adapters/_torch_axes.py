@@ -71,7 +71,8 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def _arg(args, kwargs, i: int, name: str, default=None):
+def arg(args, kwargs, i: int, name: str, default=None):
+    """A call's argument given by position `i` or by keyword `name`."""
     if name in kwargs:
         return kwargs[name]
     return args[i] if len(args) > i else default
@@ -207,10 +208,10 @@ def _permuted(name: str, ndim: int, axis: int, rest, kwargs) -> int | None:
         elif name in ("mT", "mH"):
             a, b = ndim - 2, ndim - 1
         else:
-            a, b = _dims(_arg(rest, kwargs, 0, "dim0"), ndim)[0], _dims(_arg(rest, kwargs, 1, "dim1"), ndim)[0]
+            a, b = _dims(arg(rest, kwargs, 0, "dim0"), ndim)[0], _dims(arg(rest, kwargs, 1, "dim1"), ndim)[0]
         return b if axis == a else a if axis == b else axis
-    src = _dims(_arg(rest, kwargs, 0, "source"), ndim)
-    dst = _dims(_arg(rest, kwargs, 1, "destination"), ndim)
+    src = _dims(arg(rest, kwargs, 0, "source"), ndim)
+    dst = _dims(arg(rest, kwargs, 1, "destination"), ndim)
     order = [d for d in range(ndim) if d not in src]
     for s, d in sorted(zip(dst, src)):
         order.insert(s, d)
@@ -218,10 +219,10 @@ def _permuted(name: str, ndim: int, axis: int, rest, kwargs) -> int | None:
 
 
 def _reduced(ndim: int, axis: int, rest, kwargs) -> int | None:
-    dims = _dims(_arg(rest, kwargs, 0, "dim"), ndim)
+    dims = _dims(arg(rest, kwargs, 0, "dim"), ndim)
     if dims is None or axis in dims:
         return LOST
-    if _arg(rest, kwargs, 1, "keepdim", False):
+    if arg(rest, kwargs, 1, "keepdim", False):
         return axis
     return axis - sum(d < axis for d in dims)
 
@@ -230,10 +231,10 @@ def _indexed(name: str, x: torch.Tensor, axis: int, seen, args, kwargs) -> int |
     if name in ("cat", "concat", "concatenate"):
         return axis if all(a == axis and t.ndim == x.ndim for t, a in seen) else LOST
     if name == "stack":
-        dim = _arg(args, kwargs, 1, "dim", 0) % (x.ndim + 1)
+        dim = arg(args, kwargs, 1, "dim", 0) % (x.ndim + 1)
         return axis + (axis >= dim) if all(a == axis for _, a in seen) else LOST
     if name in ("unbind", "select"):
-        dim = _arg(args, kwargs, 1, "dim", 0) % x.ndim
+        dim = arg(args, kwargs, 1, "dim", 0) % x.ndim
         return LOST if dim == axis else axis - (dim < axis)
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in index):

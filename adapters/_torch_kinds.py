@@ -10,6 +10,8 @@ import re
 
 from torch import nn
 
+from ._torch_axes import arg as _arg
+
 _NN_ACTIVATIONS: list[tuple[type, str]] = [
     (nn.ReLU6, "relu6"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
     (nn.PReLU, "prelu"), (nn.ELU, "elu"), (nn.CELU, "elu"), (nn.SELU, "selu"), (nn.GELU, "gelu"),
@@ -93,9 +95,3 @@ def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[floa
     if kind == "hard_tanh":
         return kind, (float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
     return (kind, None) if kind else None
-
-
-def _arg(args, kwargs, i, name, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[i] if len(args) > i else default

@@ -122,6 +122,24 @@ def test_activation_modules_of_other_libraries_are_read_once_with_their_kind(tmp
     assert metrics(path).filter(pl.col("layer") == "3")["saturation_unit"][0] == 0.5
 
 
+def test_a_two_sided_clamp_is_a_clip_layer_and_a_one_sided_guard_is_not_read(tmp_path):
+    class Clamped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 10)
+
+        def forward(self, x):
+            return torch.clamp(self.fc(x).clamp(min=-1e6), 0.0, 6.0)
+
+    model = Clamped()
+    with torch.no_grad():
+        model.fc.bias[:5] = 100.0  # pinned at the upper bound 6
+    got = rows(record(nn.Sequential(model), torch.randn(16, 4), tmp_path / "c.parquet"))
+    assert [n for n in got if n.startswith("0.")] == ["0.fc", "0.clamp"]
+    assert got["0.clamp"]["kind"] == "clip" and (got["0.clamp"]["bound_lo"], got["0.clamp"]["bound_hi"]) == (0, 6)
+    assert metrics(tmp_path / "c.parquet").filter(pl.col("layer") == "0.clamp")["saturation_unit"][0] >= 0.5
+
+
 class ChannelsLast(nn.Module):
     """conv → ReLU → permute to NHWC → ReLU and Linear over channels: units are last after the permute."""
 
