@@ -84,9 +84,8 @@ def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
     idx = torch.where(x == 0, bins.ZERO_BIN, idx)
     idx = torch.where(torch.isinf(x), torch.where(x > 0, bins.POS_INF_BIN, bins.NEG_INF_BIN), idx)
     idx = torch.where(torch.isnan(x), bins.N_BINS, idx)
-    idx = idx.reshape(-1)
-    hist = torch.zeros(bins.N_BINS + 1, dtype=torch.int64, device=x.device)  # bincount would sync for its size
-    return hist.index_add_(0, idx, torch.ones(1, dtype=torch.int64, device=x.device).expand(len(idx)))[: bins.N_BINS]
+    # bincount syncs for its size, but index_add_'s atomics measured 2.4x slower on an H200 (CNN bench)
+    return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
 
 
 def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, int | None]:
