@@ -29,7 +29,10 @@ _KEEP = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_drop
                    "bfloat16", "double", "type", "type_as", "normalize", "pad", "masked_fill", "where", "glu",
                    "cumsum", "cumprod", "flip", "roll", "repeat", "expand", "expand_as", "index_select", "narrow",
                    "chunk", "split", "tensor_split", "hardswish", "requires_grad_", "cpu", "cuda",
-                   "scaled_dot_product_attention", "tile", "broadcast_to", "masked_fill_", "copy_"})
+                   "scaled_dot_product_attention", "tile", "broadcast_to", "masked_fill_", "copy_",
+                   # activations that aten does not tag pointwise (Python compositions, composites)
+                   "softsign", "relu6", "logsigmoid", "rrelu", "celu", "selu", "prelu", "hardsigmoid",
+                   "special_expit", "clamp_min", "clamp_max"})
 _RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                       "squeeze_", "unsqueeze_", "ravel"})
 _REDUCE = frozenset({"mean", "sum", "amax", "amin", "max", "min", "std", "var", "norm", "logsumexp", "prod",
@@ -152,6 +155,8 @@ class Axes:
         seen = [(t, self.known[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.known]
         if name in _MATMUL:
             return self.set(out, self._matmul(args[_MATMUL[name]] if len(args) > _MATMUL[name] else None))
+        if name == "einsum":
+            return self.set(out, self._einsum(args))
         if not seen:
             return None  # nothing known flowed in: the output stays unknown, not lost
         if name in _KEEP or _pointwise(name):
@@ -169,6 +174,25 @@ class Axes:
             return self.set(out, _indexed(name, x, axis, seen, args, kwargs))
         return self.set(out, LOST)
 
+    def _einsum(self, args) -> int | None:
+        """An einsum with one weight (a parameter, else the one operand with no history): units are
+        the output subscript only the weight has ("bi,io->bo"); else where the activation's unit
+        subscript lands; else lost."""
+        parts = _einsum_parts(args)
+        if parts is None:
+            return LOST
+        subs, out, ops = parts
+        weights = [sub for sub, t in zip(subs, ops) if isinstance(t, torch.nn.Parameter)] or \
+            [sub for sub, t in zip(subs, ops) if isinstance(t, torch.Tensor) and t not in self.known]
+        acts = [(sub, self.known[t]) for sub, t in zip(subs, ops) if isinstance(t, torch.Tensor) and t in self.known]
+        if len(weights) == 1:
+            own = [c for c in out if c in weights[0] and not any(c in sub for sub, _ in acts)]
+            if len(own) == 1:
+                return out.index(own[0])
+        units = {sub[axis] for sub, axis in acts if axis is not LOST}
+        unit = units.pop() if len(units) == 1 else None
+        return out.index(unit) if unit is not None and unit in out else LOST
+
     def _matmul(self, rhs) -> int | None:
         """x @ W: the output's last axis is W's last; units when W is a weight (no history) or an
         activation whose units are last."""
@@ -178,6 +202,14 @@ class Axes:
             return -1
         axis = self.known[rhs]
         return -1 if axis is not LOST and axis == rhs.ndim - 1 else LOST
+
+
+def _einsum_parts(args) -> tuple[list[str], str, list] | None:
+    if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+        return None
+    ops = list(args[1][0] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+    ins, out = args[0].replace(" ", "").split("->")
+    return ins.split(","), out, ops
 
 
 def _broadcast(seen, out) -> int | None:

@@ -33,6 +33,7 @@ _NAMED = {
     "silu": "silu", "swish": "silu", "mish": "mish", "softplus": "softplus", "hardswish": "hard_swish",
     "hswish": "hard_swish", "hardtanh": "hard_tanh", "tanh": "tanh", "softsign": "softsign",
     "sigmoid": "sigmoid", "hardsigmoid": "hard_sigmoid", "hsigmoid": "hard_sigmoid", "softmax": "softmax",
+    "special_expit": "sigmoid",
 }
 _CLASS = re.compile(r"^(?:pytorch|new|fast|quick|accurate|approx(?:imate)?)?(?P<core>[a-z0-9]+?)"
                     r"(?:activation|act|layer|module|fn)?$")
@@ -49,6 +50,7 @@ _POOL = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, n
 OPAQUE: dict[type, tuple] = {
     nn.Linear: (-1, "linear"), nn.Bilinear: (-1, "linear"), nn.Embedding: (-1, "embedding"),
     nn.LayerNorm: (-1, "norm"), nn.RMSNorm: (-1, "norm"), nn.MultiheadAttention: (-1, None),
+    nn.RNN: (-1, None), nn.LSTM: (-1, None), nn.GRU: (-1, None),
     nn.BatchNorm1d: (1, "norm"), nn.BatchNorm2d: (1, "norm"), nn.BatchNorm3d: (1, "norm"), nn.GroupNorm: (1, "norm"),
     **{cls: ((int(cls.__name__[-2]),), "conv") for cls in _CONV},
     **{cls: ((int(cls.__name__[-2]),), None) for cls in _POOL},
@@ -84,13 +86,14 @@ def module_bounds(module: nn.Module, kind: str) -> tuple[float, float] | None:
 
 def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[float, float] | None] | None:
     """(kind, bounds) of a functional activation call, or None for any other call. A clamp is a
-    `clip` only with both bounds given (a one-sided clamp is a guard, not an activation)."""
+    `clip` with both bounds given, a `relu` as `clamp(min=0)`; any other one-sided clamp is a
+    guard, not an activation."""
     base = name.rstrip("_")
-    if base in ("clamp", "clip"):
-        lo, hi = _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max")
+    if base in ("clamp", "clip", "clamp_min"):
+        lo, hi = _arg(args, kwargs, 1, "min"), None if base == "clamp_min" else _arg(args, kwargs, 2, "max")
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
             return "clip", (float(lo), float(hi))
-        return None
+        return ("relu", None) if lo == 0 and hi is None else None  # clamp(min=0) is a ReLU
     kind = _NAMED.get(base)
     if kind == "hard_tanh":
         return kind, (float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))

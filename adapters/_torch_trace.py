@@ -251,8 +251,9 @@ class ForwardTrace(TorchFunctionMode):
         self._settle_last(frame)
         if frame.kind is None or not frame.path:
             return
+        main = type(frame.module) in OPAQUE and isinstance(output, tuple)  # (output, state) or (output, weights)
         for suffix, t in output_tensors(output):
-            name = self._name(frame.path + suffix)
+            name = self._name(frame.path + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):

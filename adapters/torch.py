@@ -169,8 +169,10 @@ class Monitor:
                     result = Probe.call(self.inner, self._probe.first_chunk(self.probe_chunk))
             except Exception as e:  # the model's own error, whatever it is
                 first = (str(e).strip().splitlines() or [""])[0]
+                hint = "; a dict probe is passed as keyword arguments: give (probe,) to pass it as one argument" \
+                    if isinstance(self._probe.value, dict) and "keyword argument" in first else ""
                 raise ValueError(f"actrace: the model cannot take the probe ({self._probe.describe()}): "
-                                 f"{type(e).__name__}: {first}") from e
+                                 f"{type(e).__name__}: {first}{hint}") from e
             passes.append([(o.name, s) for o, s in seen if o.name] +
                           [(f"output{k}", _signature(t)) for k, t in output_tensors(result)])
             if not self.layer_index:

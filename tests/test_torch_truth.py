@@ -140,6 +140,56 @@ def test_a_two_sided_clamp_is_a_clip_layer_and_a_one_sided_guard_is_not_read(tmp
     assert metrics(tmp_path / "c.parquet").filter(pl.col("layer") == "0.clamp")["saturation_unit"][0] >= 0.5
 
 
+class Written(nn.Module):
+    """Activations and projections as people write them: an einsum with a weight, F.softsign,
+    torch.special.expit, clamp(min=0) as a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 12) / 3)
+        self.b = nn.Parameter(torch.zeros(12))
+
+    def forward(self, x):
+        h = torch.einsum("bti,io->bto", x, self.w) + self.b
+        return F.softsign(h) + torch.special.expit(h) + h.clamp(min=0)
+
+
+def test_activations_as_people_write_them_keep_their_units(tmp_path):
+    torch.manual_seed(0)
+    model = Written()
+    kill(model.b, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no unit axis lost
+        got = rows(record(nn.Sequential(model), torch.randn(6, 5, 8), tmp_path / "w.parquet"))
+    kinds = {n: (r["kind"], r["unit_axis"], r["units"]) for n, r in got.items() if n != "0"}
+    assert kinds == {"0.softsign": ("softsign", 2, 12), "0.special_expit": ("sigmoid", 2, 12),
+                     "0.clamp": ("relu", 2, 12)}
+    assert dead(tmp_path / "w.parquet", "0.clamp") == [3 / 12]
+
+
+def test_recurrent_outputs_are_named_by_their_module_like_their_gradients(tmp_path):
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru, self.head = nn.GRU(4, 6, batch_first=True), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.head(self.gru(x)[0])
+
+    model = Tagger()
+    with Monitor(model, torch.randn(3, 5, 4), tmp_path / "r.parquet") as mon:
+        model(torch.randn(3, 5, 4)).sum().backward()
+        mon.step(0)
+    acts, grads = rows(tmp_path / "r.parquet"), rows(tmp_path / "r.parquet", "param_grad")
+    assert {"gru", "gru.1", "head"} <= set(acts) and "gru" in grads
+    assert (acts["gru"]["unit_axis"], acts["gru"]["units"]) == (2, 6)
+
+
+def test_a_dict_probe_for_a_model_taking_one_argument_gets_a_hint(tmp_path):
+    with pytest.raises(ValueError, match=r"give \(probe,\) to pass it as one argument"):
+        Monitor(nn.Sequential(nn.Linear(4, 2)), {"x": torch.randn(3, 4)}, tmp_path / "d.parquet")
+
+
 class ChannelsLast(nn.Module):
     """conv → ReLU → permute to NHWC → ReLU and Linear over channels: units are last after the permute."""
 
