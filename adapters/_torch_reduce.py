@@ -77,7 +77,8 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
-    """The histogram on any device by binary search over the float32 edges (the CUDA path)."""
+    """The histogram on any device by binary search over the edges, float64 values against the
+    float64 edges and others as float32 (the CUDA path)."""
     x = x if x.dtype == torch.float64 else x.float()  # float64 values binned as they are, not rounded
     mag = torch.bucketize(x.abs(), _EDGES[x.dtype].to(x.device), right=True)
     idx = torch.where(x > 0, bins.ZERO_BIN + 1 + mag, bins.ZERO_BIN - 1 - mag)

@@ -27,7 +27,7 @@ import actrace
 from ._torch_kinds import module_kind
 from ._torch_probe import Probe
 from ._torch_reduce import Pending, all_reduce, reduce_tensor, relu_of, settle, to_readings
-from ._torch_trace import ForwardTrace, Output, module_path, output_tensors, unwrap
+from ._torch_trace import ForwardTrace, Output, output_tensors, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -75,9 +75,9 @@ class Monitor:
         self._trace = ForwardTrace(self.inner, self._read, self._wanted)
         self._outputs: list[tuple[Output, Pending]] = []
         self._warned: set[str] = set()
-        self.layers = {module_path(n): (m, k) for n, m in self.inner.named_modules()
-                       if n and (k := module_kind(m)) and any(True for _ in m.parameters(recurse=False))
-                       and self._wanted(module_path(n), m)}
+        self.layers = {path: (m, k) for m, path in self._trace.paths.items()  # parameterized modules
+                       if path and (k := self._trace.kinds[m]) and any(True for _ in m.parameters(recurse=False))
+                       and self._wanted(path, m)}
         self.layer_index: dict[str, int] = {}
         self.mode = self._trial()
         for name in self.layers:
@@ -156,14 +156,14 @@ class Monitor:
 
     def _trial(self) -> str:
         """Run the first probe chunk twice: depth is forward order; 'train' if the two differ."""
-        passes = []
-        for _ in range(2):
-            seen: list[tuple[Output, float]] = []
+        passes, seen = [], []
 
-            def note(o: Output) -> None:
-                seen.append((o, _signature(o.tensor)))
-                o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
-            trace = ForwardTrace(self.inner, note, self._wanted)
+        def note(o: Output) -> None:
+            seen.append((o, _signature(o.tensor)))
+            o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
+        trace = ForwardTrace(self.inner, note, self._wanted)
+        for _ in range(2):
+            seen.clear()
             try:
                 with self._evaluation(), trace:
                     result = Probe.call(self.inner, self._probe.first_chunk(self.probe_chunk))
