@@ -11,11 +11,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import META_PREFIX, SCHEMA, SPEC_MAJOR, SPEC_VERSION
+from . import metadata
+from .metadata import TraceError
+from .schema import SCHEMA
 
 
-class TraceError(Exception):
-    """A trace that cannot be read: names the file and what is wrong."""
+def expand(pattern) -> list[str]:
+    """A glob pattern's matches, sorted; any other path as it is (it may not exist)."""
+    pattern = str(pattern)
+    return sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
 
 
 def trace_sources(paths) -> list[Path]:
@@ -25,7 +29,7 @@ def trace_sources(paths) -> list[Path]:
     sources: list[Path] = []
     for raw in paths:
         raw = str(raw)
-        matches = sorted(glob.glob(raw)) if glob.has_magic(raw) else [raw]
+        matches = expand(raw)
         if not matches:
             raise TraceError(f"{raw}: no trace matches this pattern")
         for m in map(Path, matches):
@@ -51,27 +55,6 @@ def part_files(source: Path) -> list[Path]:
     return [source]
 
 
-def file_metadata(path: Path) -> dict[str, str]:
-    """The `actrace:` key/value metadata of one Parquet file, version-checked."""
-    try:
-        raw = pq.read_schema(path).metadata or {}
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
-    meta = {k.decode()[len(META_PREFIX):]: v.decode() for k, v in raw.items()
-            if k.decode().startswith(META_PREFIX)}
-    version = meta.get("spec_version")
-    if version is None:
-        raise TraceError(f"{path}: not an actrace trace (no '{META_PREFIX}spec_version' metadata)")
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        raise TraceError(f"{path}: spec version {version!r} is not MAJOR.MINOR") from None
-    if major != SPEC_MAJOR:
-        raise TraceError(f"{path}: trace spec version {version} is not supported; this actrace "
-                         f"reads {SPEC_MAJOR}.x (it implements {SPEC_VERSION})")
-    return meta
-
-
 def known_columns(path: Path) -> list[str]:
     """The spec columns present in a file, in spec order (unknown columns are ignored)."""
     names = set(pq.read_schema(path).names)
@@ -82,7 +65,7 @@ def read_source(source: Path, columns: list[str] | None = None) -> tuple[pa.Tabl
     """One trace source as an Arrow table of spec columns, plus its file metadata."""
     tables, meta = [], {}
     for f in part_files(source):
-        meta = file_metadata(f)
+        meta = metadata.read(f)
         cols = [c for c in known_columns(f) if columns is None or c in columns]
         try:
             tables.append(pq.read_table(f, columns=cols))
@@ -107,7 +90,7 @@ def scan(paths, columns: list[str] | None = None):
     for source in trace_sources(paths):
         files = part_files(source)
         for f in files:
-            file_metadata(f)
+            metadata.read(f)
         cols = [c for c in known_columns(files[0]) if columns is None or c in columns]
         frames.append(pl.scan_parquet([str(f) for f in files]).select(cols))
     if not frames:

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .bins import N_BINS
-from .reader import TraceError, file_metadata, part_files, trace_sources
+from . import metadata
+from .reader import TraceError, part_files, trace_sources
 from .schema import KIND_BOUNDS, KINDS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
 
 MAX_ROWS_PER_CHECK = 5
@@ -50,7 +51,7 @@ def validate_file(path: Path) -> list[Problem]:
     import pyarrow.parquet as pq
 
     try:
-        version = file_metadata(path)["spec_version"]
+        version = metadata.read(path)["spec_version"]
         table = pq.read_table(path)
     except TraceError as exc:
         return [Problem(str(path), str(exc).removeprefix(f"{path}: "))]

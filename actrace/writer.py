@@ -6,24 +6,17 @@ parts into `NAME.parquet` atomically and removes them.
 """
 from __future__ import annotations
 
-import getpass
-import json
 import os
-import platform
 import shutil
-import socket
 import time
-import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import __version__
+from . import metadata
 from .reduce import Reading, reduce_array
-from .schema import META_PREFIX, SPEC_VERSION
 from .table import readings_to_table
 
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
@@ -68,16 +61,9 @@ class Writer:
         self.mode = mode
         self.probe_fingerprint = probe_fingerprint
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
-        self.meta = {
-            "spec_version": SPEC_VERSION, "run_name": self.run, "run_id": uuid.uuid4().hex,
-            "framework": framework, "framework_version": framework_version or "",
-            "adapter": adapter, "adapter_version": __version__,
-            "host": f"{getpass.getuser()}@{socket.gethostname()} ({platform.platform()})",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "config": json.dumps(config or {}, sort_keys=True, default=str),
-            "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""),
-            "mode": mode or "",
-        }
+        self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
+                                  adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
+                                  probe_size=probe_size, mode=mode)
         self._rows: list[tuple[Reading, dict]] = []
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
@@ -160,13 +146,10 @@ class Writer:
             return
         table = readings_to_table(self._rows)
         self._n_parts += 1
-        write_parquet(table.replace_schema_metadata(self._file_metadata()),
+        write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)),
                       self.parts / f"part-{self._n_parts:06d}.parquet")
         self.readings_written += len(self._rows)
         self._rows.clear()
-
-    def _file_metadata(self) -> dict[str, str]:
-        return {META_PREFIX + k: v for k, v in self.meta.items()}
 
     def close(self) -> Path:
         """Flush, compact the part files into the trace atomically, remove the parts."""
@@ -177,10 +160,10 @@ class Writer:
         parts = sorted(self.parts.glob("part-*.parquet"))
         tables = [pq.read_table(p) for p in parts]
         if tables:
-            table = pa.concat_tables(tables).replace_schema_metadata(self._file_metadata())
+            table = pa.concat_tables(tables).replace_schema_metadata(metadata.encode(self.meta))
         else:
             from .schema import SCHEMA
-            table = SCHEMA.empty_table().replace_schema_metadata(self._file_metadata())
+            table = SCHEMA.empty_table().replace_schema_metadata(metadata.encode(self.meta))
         write_parquet(table, self.path)
         shutil.rmtree(self.parts)
         return self.path

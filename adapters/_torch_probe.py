@@ -93,7 +93,4 @@ def _fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
             arrays[name], dtypes[name] = t.view(torch.int16).numpy(), "bfloat16"
         else:
             arrays[name] = t.numpy()
-    if len(arrays) == 1:  # a single input is unnamed, as in every adapter
-        (name, array), = arrays.items()
-        return fingerprint(array, {"": dtypes[name]} if name in dtypes else None)
     return fingerprint(arrays, dtypes)

@@ -8,7 +8,6 @@ tensors are exact and the rest of the graph is optimized as usual. Reductions ar
 from __future__ import annotations
 
 import fnmatch
-import glob
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import numpy as np
 
 import actrace
 from actrace.fingerprint import fingerprint
+from actrace.reader import expand
 from actrace.reduce import merge, reduce_array
 
 OP_KINDS = {
@@ -239,7 +239,7 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
 
     paths = []
     for m in models:
-        found = sorted(glob.glob(str(m))) if glob.has_magic(str(m)) else [str(m)]
+        found = expand(m)
         if not found:
             raise OnnxError(f"{m}: no model matches this pattern")
         paths += [Path(f) for f in found]
@@ -251,8 +251,7 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
     n_probe = len(next(iter(probe_arrays.values())))
     with actrace.Writer(out, run=run, framework="onnxruntime", framework_version=ort.__version__,
                         adapter="actrace.adapters.onnx", config=dict(config or {}, graph_optimization="ORT_ENABLE_ALL"),
-                        probe_fingerprint=fingerprint(probe_arrays if len(probe_arrays) > 1
-                                                      else next(iter(probe_arrays.values()))),
+                        probe_fingerprint=fingerprint(probe_arrays),
                         probe_size=n_probe, mode="eval", overwrite=overwrite) as w:
         for i, (step, path) in enumerate(order):
             if progress:

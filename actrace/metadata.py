@@ -1,0 +1,66 @@
+"""The file metadata of spec §File metadata: the `actrace:` keys, made for a writer and parsed,
+version-checked, for every reader (reader, validator, analyzer)."""
+from __future__ import annotations
+
+import getpass
+import json
+import platform
+import socket
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import SPEC_MAJOR, SPEC_VERSION
+
+PREFIX = "actrace:"
+KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
+        "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode")
+
+
+class TraceError(Exception):
+    """A trace that cannot be read: names the file and what is wrong."""
+
+
+def make(*, run: str, framework: str, framework_version: str | None, adapter: str, config: dict | None,
+         probe_fingerprint: str | None, probe_size: int | None, mode: str | None) -> dict[str, str]:
+    """A new trace's metadata (unprefixed keys, string values; empty where unknown)."""
+    from . import __version__
+
+    return {
+        "spec_version": SPEC_VERSION, "run_name": run, "run_id": uuid.uuid4().hex,
+        "framework": framework, "framework_version": framework_version or "",
+        "adapter": adapter, "adapter_version": __version__,
+        "host": f"{getpass.getuser()}@{socket.gethostname()} ({platform.platform()})",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": json.dumps(config or {}, sort_keys=True, default=str),
+        "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""), "mode": mode or "",
+    }
+
+
+def encode(meta: dict[str, str]) -> dict[str, str]:
+    """The Parquet key/value form: every key prefixed `actrace:`."""
+    return {PREFIX + k: v for k, v in meta.items()}
+
+
+def read(path: Path) -> dict[str, str]:
+    """The `actrace:` metadata of one Parquet file (unprefixed), refusing a file of another major
+    version with a message naming the version this actrace reads."""
+    try:
+        raw = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
+    meta = {k.decode()[len(PREFIX):]: v.decode() for k, v in raw.items() if k.decode().startswith(PREFIX)}
+    version = meta.get("spec_version")
+    if version is None:
+        raise TraceError(f"{path}: not an actrace trace (no '{PREFIX}spec_version' metadata)")
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        raise TraceError(f"{path}: spec version {version!r} is not MAJOR.MINOR") from None
+    if major != SPEC_MAJOR:
+        raise TraceError(f"{path}: trace spec version {version} is not supported; this actrace "
+                         f"reads {SPEC_MAJOR}.x (it implements {SPEC_VERSION})")
+    return meta
