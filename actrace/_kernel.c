@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -14,7 +15,7 @@
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
 #define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
 #define MAX_BINS 160 /* at least the spec's 141 */
-#define KEY_SHIFT 14 /* SHIFT in kernel.py */
+#define KEY_SHIFT 14 /* key = float32 bits >> KEY_SHIFT: 2^18 keys, a 256 KiB table of bins */
 #define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
 #define CARRY (256 - MAX_BINS) /* bin + CARRY reaches 256 (bit 8) for EXACT only: one test for four bins */
 #define INLINE static inline __attribute__((always_inline))
@@ -394,6 +395,23 @@ void actrace_run_batch(void *data) {
         reduce_piece(&batch->bins, j, i);
         if (__atomic_add_fetch(&j->done, 1, __ATOMIC_ACQ_REL) == j->pieces) merge_rows(&batch->bins, j);
     }
+}
+
+/* What kernel.py's ctypes mirror must match, checked there at import: the constants, then the size
+ * and field offsets of Bins, Job and Batch in declaration order. */
+static const int64_t layout[] = {
+    KEY_SHIFT, EXACT, MAX_BINS,
+    sizeof(Bins), offsetof(Bins, key_bin), offsetof(Bins, edges), offsetof(Bins, n_edges), offsetof(Bins, zero_bin),
+    offsetof(Bins, n_bins),
+    sizeof(Job), offsetof(Job, x), offsetof(Job, before), offsetof(Job, units), offsetof(Job, after),
+    offsetof(Job, centre), offsetof(Job, pieces), offsetof(Job, relu), offsetof(Job, hist), offsetof(Job, done),
+    offsetof(Job, f64), offsetof(Job, f32), offsetof(Job, i64),
+    sizeof(Batch), offsetof(Batch, bins), offsetof(Batch, jobs), offsetof(Batch, n), offsetof(Batch, next),
+};
+
+const int64_t *actrace_layout(int64_t *n) {
+    *n = sizeof layout / sizeof *layout;
+    return layout;
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel", "actrace's fused reduction kernel", -1, NULL};

@@ -17,10 +17,6 @@ import numpy as np
 
 from . import bins
 
-SHIFT = 14  # (KEY_SHIFT in _kernel.c) key = float32 bits >> SHIFT: 2^18 keys, a 256 KiB table of bins
-EXACT = 255  # in the table: the key straddles an edge (EXACT in _kernel.c)
-
-
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -39,13 +35,32 @@ class _Batch(ctypes.Structure):
     _fields_ = [("bins", _Bins), ("jobs", _P), ("n", _I64), ("next", _I64)]
 
 
+class LayoutError(ImportError):
+    """The compiled kernel and this mirror of its structs disagree (a stale or mismatched build)."""
+
+
 def _load():
+    """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking
+    that the C structs are laid out as the ctypes ones here; None when the kernel is not built."""
     spec = importlib.util.find_spec("actrace._kernel")
     if spec is None or not spec.origin:
         return None
-    fn = ctypes.CDLL(spec.origin).actrace_run_batch
+    lib = ctypes.CDLL(spec.origin)
+    lib.actrace_layout.argtypes, lib.actrace_layout.restype = [ctypes.POINTER(_I64)], ctypes.POINTER(_I64)
+    n = _I64()
+    got = lib.actrace_layout(ctypes.byref(n))[: n.value]
+    mirror = []
+    for struct in (_Bins, _Job, _Batch):
+        mirror += [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
+    if got[3:] != mirror:
+        raise LayoutError(f"{spec.origin}: the kernel's struct layout {got[3:]} is not kernel.py's {mirror}; "
+                          "rebuild it (pip install -e .)")
+    shift, exact, max_bins = got[:3]
+    if bins.N_BINS > max_bins or exact < max_bins:
+        raise LayoutError(f"{spec.origin}: built for {max_bins} bins (EXACT {exact}), the spec has {bins.N_BINS}")
+    fn = lib.actrace_run_batch
     fn.argtypes, fn.restype = [_P], None
-    return fn
+    return fn, shift, exact
 
 
 def _openmp():
@@ -61,25 +76,26 @@ def _openmp():
     return parallel, threads
 
 
-def _key_table() -> np.ndarray:
-    """Each key's bin where every float32 with that key lands in one bin, else EXACT (exact path)."""
-    assert bins.N_BINS <= 160 < EXACT, "MAX_BINS in _kernel.c"
-    keys = np.arange(1 << (32 - SHIFT), dtype=np.uint64)
-    first = (keys << SHIFT).astype(np.uint32).view(np.float32)
-    last = ((keys << SHIFT) | ((1 << SHIFT) - 1)).astype(np.uint32).view(np.float32)
+def _key_table(shift: int, exact: int) -> np.ndarray:
+    """Each key (float32 bits >> shift) its bin where every float32 with that key lands in one bin,
+    else exact (the kernel's exact path)."""
+    keys = np.arange(1 << (32 - shift), dtype=np.uint64)
+    first = (keys << shift).astype(np.uint32).view(np.float32)
+    last = ((keys << shift) | ((1 << shift) - 1)).astype(np.uint32).view(np.float32)
     with np.errstate(invalid="ignore"):
         same = ~np.isnan(first) & ~np.isnan(last)
         b_first = np.where(same, bins.bin_index(np.where(same, first, 0)), -1)
         b_last = np.where(same, bins.bin_index(np.where(same, last, 0)), -1)
-    table = np.where(same & (b_first == b_last), b_first, EXACT).astype(np.uint8)
-    table[[0, 1 << (31 - SHIFT)]] = bins.ZERO_BIN  # ±0's keys; the kernel sends their subnormals the exact way
+    table = np.where(same & (b_first == b_last), b_first, exact).astype(np.uint8)
+    table[[0, 1 << (31 - shift)]] = bins.ZERO_BIN  # ±0's keys; the kernel sends their subnormals the exact way
     return table
 
 
-_run = _load()
-available = _run is not None
+_loaded = _load()
+available = _loaded is not None
+_run = _loaded[0] if available else None
 _RUN = ctypes.cast(_run, _P) if available else None
-_TABLE = _key_table() if available else None
+_TABLE = _key_table(*_loaded[1:]) if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
 _BINS = _Bins(_TABLE.ctypes.data, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
     if available else None
@@ -106,10 +122,10 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     job = _Job(_address(x3), before, units, after, centre, pieces, relu, histogram, 0,
                _address(f64), _address(f32), _address(i64))
     (d, f, i) = (f64[0], f32[0], i64[0])
-    out = {"sum": d[0], "sumsq": d[1], "min": f[0], "max": f[1], "min_dev": f[2], "zero": i[:units],
-           "finite": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None, "nan_inf": i[-2:],
-           "relu_sum": d[2] if relu else None, "relu_sumsq": d[3] if relu else None,
-           "relu_zero": i[2 * units: 3 * units] if relu else None}
+    out = {"unit_sum": d[0], "unit_sumsq": d[1], "unit_min": f[0], "unit_max": f[1], "unit_min_dev": f[2],
+           "unit_zero": i[:units], "unit_count": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None,
+           "nan_count": i[-2:-1], "inf_count": i[-1:],
+           "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units]} if relu else None}
     return job, out
 
 
@@ -134,9 +150,7 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:
-    """Per-unit sums, sums of squares, extremes, min |h - centre|, zero and finite counts, the
-    histogram, and NaN/Inf totals of a C-contiguous float32 (before, units, after) array; with
-    `relu`, also the per-unit sums and sums of squares of relu(x) and how many finite values are <= 0
-    (`relu_sum`, `relu_sumsq`, `relu_zero`), all over finite values; a unit with no finite value
-    has NaN extremes."""
+    """`actrace.reduce.reference`'s statistics of a C-contiguous float32 (before, units, after)
+    array, named as the spec's columns; with `relu`, also (under "relu") `unit_sum`, `unit_sumsq`
+    of relu(x) and, as `unit_zero`, how many finite values are <= 0."""
     return reduce_many([(x3, centre, histogram, relu)])[0]

@@ -1,18 +1,20 @@
 """Reference reductions: a tensor, its unit axis and its kind → one mergeable Reading.
 
-Implements spec/trace-v1.md §Units and §Columns: float32 goes through the fused kernel
-(`actrace.kernel`) when it is built, anything else (or float32 without it) through numpy; the
-tests hold the two, and every adapter's fast path, to each other. `merge` combines readings of
-batch chunks: counts, extremes and histograms exactly, sums to float rounding.
+Implements spec/trace-v1.md §Units and §Columns. `reference` is the numpy oracle of the per-unit
+statistics, named as the spec's columns; float32 goes through the fused kernel (`actrace.kernel`)
+when it is built, which gives the same numbers. Every backend's statistics become a `Reading`
+through `Reading.from_stats`, and `merge` combines the readings of batch chunks by the schema's
+merge rules (tests/test_contract.py holds every backend to the reference).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from . import bins, kernel
-from .schema import STREAMS, bounds_for
+from .schema import MERGE, SCHEMA, STREAMS, bounds_for
 
 
 class ReductionError(ValueError):
@@ -49,6 +51,32 @@ class Reading:
     unit_max: np.ndarray | None = None
     unit_min_dev: np.ndarray | None = None
     hist: np.ndarray | None = None
+
+    @classmethod
+    def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
+                   **fields) -> "Reading":
+        """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
+        `hist`, `nan_count`, `inf_count`), as every backend gives them; the layer totals follow
+        from them (spec §Columns). Without `per_unit` only the totals are kept."""
+        v = {k: np.asarray(x) for k, x in stats.items() if x is not None}
+        unit_axis = None if unit_axis is None else unit_axis % len(shape)
+        r = cls(shape=tuple(int(n) for n in shape), unit_axis=unit_axis,
+                units=1 if unit_axis is None else int(shape[unit_axis]), count=math.prod(shape),
+                nan_count=int(v["nan_count"].sum()), inf_count=int(v["inf_count"].sum()),
+                zero_count=int(v["unit_zero"].sum()), sum=float(v["unit_sum"].sum()),
+                sumsq=float(v["unit_sumsq"].sum()),
+                # units with no finite value hold NaN extremes, which fmin/fmax pass over
+                min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
+                hist=v["hist"].astype(np.int64) if "hist" in v else None, **fields)
+        if per_unit:
+            for name, dtype in _UNIT_DTYPES.items():
+                setattr(r, name, v[name].reshape(-1).astype(dtype))
+        return r
+
+
+_UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype()
+                for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "unit_min", "unit_max",
+                             "unit_min_dev")}
 
 
 def centre(bounds: tuple[float, float] | None) -> float:
@@ -94,43 +122,40 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
     if stream not in STREAMS:
         raise ReductionError(f"layer {layer!r}: unknown stream {stream!r}; expected one of {STREAMS}")
     dtype = str(np.asarray(x).dtype)
-    xw = _as_float(x, layer)
     bounds = bounds_for(kind, bounds)
-    if unit_axis is not None:
-        if not -xw.ndim <= unit_axis < xw.ndim:
-            raise ReductionError(f"layer {layer!r}: unit axis {unit_axis} out of range for shape {xw.shape}")
-        unit_axis %= xw.ndim
-    units = 1 if unit_axis is None else xw.shape[unit_axis]
-    # a (before, units, after) view: reducing over axes 0 and 2 needs no transposed copy (NCHW)
-    before = 1 if unit_axis is None else int(np.prod(xw.shape[:unit_axis]))
-    x3 = xw.reshape(before, units, -1)
-
+    x3 = view3(x, unit_axis, layer)
     c = centre(bounds)
     if kernel.available and x3.dtype == np.float32:
         st = kernel.reduce_f32(np.ascontiguousarray(x3), c, histogram)
     else:
-        st = _numpy_stats(x3, c, histogram)
-    unit_count, unit_zero = st["finite"], st["zero"]
-    reading = Reading(
-        layer=layer, kind=kind, stream=stream, dtype=dtype, shape=tuple(int(s) for s in xw.shape),
-        unit_axis=unit_axis, units=int(units), count=int(xw.size), nan_count=int(st["nan_inf"][0]),
-        inf_count=int(st["nan_inf"][1]), zero_count=int(unit_zero.sum()),
-        sum=float(st["sum"].sum()), sumsq=float(st["sumsq"].sum()),
-        # units with no finite value hold NaN extremes, which fmin/fmax pass over
-        min=float(np.fmin.reduce(st["min"])), max=float(np.fmax.reduce(st["max"])),
-        bounds=bounds, param=param, hist=st["hist"],
-    )
-    if per_unit:
-        reading = replace(
-            reading, unit_count=unit_count, unit_zero=unit_zero, unit_sum=st["sum"],
-            unit_sumsq=st["sumsq"], unit_min=st["min"].astype(np.float32),
-            unit_max=st["max"].astype(np.float32), unit_min_dev=st["min_dev"].astype(np.float32))
-    return reading
+        st = _stats(x3, c, histogram)
+    return Reading.from_stats(st, shape=np.shape(x), unit_axis=unit_axis, per_unit=per_unit, layer=layer,
+                              kind=kind, stream=stream, dtype=dtype, bounds=bounds, param=param)
 
 
-def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
-    """The statistics of `kernel.reduce_f32` with numpy alone (any float dtype), NaN extremes for
-    a unit with no finite value included."""
+def view3(x, unit_axis: int | None, layer: str = "?") -> np.ndarray:
+    """`x` as a float (before, units, after) view, the unit axis in the middle: reducing over axes 0
+    and 2 needs no transposed copy (NCHW). Half floats are widened to float32."""
+    xw = _as_float(x, layer)
+    if unit_axis is None:
+        return xw.reshape(1, 1, -1)
+    if not -xw.ndim <= unit_axis < xw.ndim:
+        raise ReductionError(f"layer {layer!r}: unit axis {unit_axis} out of range for shape {xw.shape}")
+    unit_axis %= xw.ndim
+    return xw.reshape(math.prod(xw.shape[:unit_axis]), xw.shape[unit_axis], -1)
+
+
+def reference(x, unit_axis: int | None = None, *, centre: float = 0.0, histogram: bool = True) -> dict:
+    """The per-unit statistics of spec §Columns with numpy alone, named as the columns: the oracle
+    every backend (C kernel, torch, ONNX Runtime) is tested against. `centre` is the point
+    `unit_min_dev` is measured from (`centre(bounds)`)."""
+    return _stats(view3(x, unit_axis), centre, histogram)
+
+
+def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
+    """The statistics of a (before, units, after) float array over axes 0 and 2: sums in float64
+    over finite values, extremes and min |h - c| of finite values (NaN for a unit with none),
+    zero and finite counts per unit, the histogram, NaN and Inf totals."""
     axes = (0, 2)
 
     def square(b, out):
@@ -169,36 +194,40 @@ def _numpy_stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
     for arr in (unit_min, unit_max, unit_min_dev):
         arr[unit_count == 0] = np.nan
     zeros = int(unit_zero.sum())
-    return {"sum": unit_sum, "sumsq": unit_sumsq, "min": unit_min, "max": unit_max, "min_dev": unit_min_dev,
-            "zero": unit_zero, "finite": unit_count, "hist": bins.histogram(x3, zeros) if histogram else None,
-            "nan_inf": [nan_count, x3.size - int(unit_count.sum()) - nan_count]}
+    return {"unit_sum": unit_sum, "unit_sumsq": unit_sumsq, "unit_min": unit_min, "unit_max": unit_max,
+            "unit_min_dev": unit_min_dev, "unit_zero": unit_zero, "unit_count": unit_count,
+            "hist": bins.histogram(x3, zeros) if histogram else None,
+            "nan_count": nan_count, "inf_count": x3.size - int(unit_count.sum()) - nan_count}
 
 
-_ADD = ("count", "nan_count", "inf_count", "zero_count", "sum", "sumsq")
-_ARRAY_ADD = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist")
-_UNIT_MIN = ("unit_min", "unit_min_dev")
+def combine(rule: str, a, b, lib=np):
+    """Two chunks' values of one column by its spec merge rule (`schema.MERGE`): `sum` adds, `min`
+    and `max` skip NaN, `concat` adds batch extents. `lib` is numpy or torch."""
+    if rule in ("sum", "concat"):
+        return a + b
+    if rule == "min":
+        return lib.fmin(a, b)
+    if rule == "max":
+        return lib.fmax(a, b)
+    raise ValueError(f"no values to combine under merge rule {rule!r}")
 
 
 def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
-    """Combine the readings of two chunks of one tensor split along `batch_axis`."""
-    same = ("layer", "kind", "stream", "unit_axis", "units", "bounds", "param")
-    for name in same:
-        if getattr(a, name) != getattr(b, name):
-            raise ReductionError(f"layer {a.layer!r}: cannot merge readings whose {name} differ "
-                                 f"({getattr(a, name)!r} vs {getattr(b, name)!r})")
-    shape = list(a.shape)
-    if shape:
-        shape[batch_axis] += b.shape[batch_axis]
-    out = replace(a, shape=tuple(shape), update_norm=None,
-                  min=float(np.fmin(a.min, b.min)), max=float(np.fmax(a.max, b.max)))
-    for name in _ADD:
-        setattr(out, name, getattr(a, name) + getattr(b, name))
-    for name in _ARRAY_ADD + _UNIT_MIN + ("unit_max",):
-        va, vb = getattr(a, name), getattr(b, name)
-        if va is None or vb is None:
-            setattr(out, name, None)
-        elif name in _ARRAY_ADD:
-            setattr(out, name, va + vb)
+    """Combine the readings of two chunks of one tensor split along `batch_axis`, column by column
+    by the schema's merge rules (`bounds` stands for `bound_lo`/`bound_hi`)."""
+    out = {}
+    for f in fields(Reading):
+        name, va, vb = f.name, getattr(a, f.name), getattr(b, f.name)
+        rule = MERGE.get(name, "same")
+        if rule == "same":
+            if va != vb:
+                raise ReductionError(f"layer {a.layer!r}: cannot merge readings whose {name} differ "
+                                     f"({va!r} vs {vb!r})")
+            out[name] = va
+        elif rule == "concat":
+            out[name] = tuple(n + m if i == batch_axis else n for i, (n, m) in enumerate(zip(va, vb)))
+        elif rule == "none" or va is None or vb is None:
+            out[name] = None
         else:
-            setattr(out, name, (np.fmin if name in _UNIT_MIN else np.fmax)(va, vb))
-    return out
+            out[name] = combine(rule, va, vb)
+    return Reading(**out)

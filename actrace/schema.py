@@ -9,7 +9,6 @@ import pyarrow as pa
 
 SPEC_VERSION = "1.0"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
-META_PREFIX = "actrace:"
 
 STREAMS = ("activation", "activation_grad", "param_grad", "param")
 
@@ -48,52 +47,48 @@ _f64_list = pa.list_(pa.float64())
 _f32_list = pa.list_(pa.float32())
 _i64_list = pa.list_(pa.int64())
 
-# (name, type, nullable) in file order. Merge rules live in actrace.reduce.
-COLUMNS: list[tuple[str, pa.DataType, bool]] = [
-    ("run", pa.string(), False),
-    ("step", pa.int64(), False),
-    ("layer", pa.string(), False),
-    ("layer_index", pa.int32(), False),
-    ("kind", pa.string(), False),
-    ("stream", pa.string(), False),
-    ("param", pa.string(), True),
-    ("dtype", pa.string(), False),
-    ("shape", _i64_list, False),
-    ("unit_axis", pa.int32(), True),
-    ("units", pa.int32(), False),
-    ("bound_lo", pa.float64(), True),
-    ("bound_hi", pa.float64(), True),
-    ("mode", pa.string(), True),
-    ("probe_fingerprint", pa.string(), True),
-    ("wall_time", pa.float64(), False),
-    ("count", pa.int64(), False),
-    ("nan_count", pa.int64(), False),
-    ("inf_count", pa.int64(), False),
-    ("zero_count", pa.int64(), False),
-    ("sum", pa.float64(), False),
-    ("sumsq", pa.float64(), False),
-    ("min", pa.float64(), False),
-    ("max", pa.float64(), False),
-    ("update_norm", pa.float64(), True),
-    ("unit_count", _i64_list, True),
-    ("unit_zero", _i64_list, True),
-    ("unit_sum", _f64_list, True),
-    ("unit_sumsq", _f64_list, True),
-    ("unit_min", _f32_list, True),
-    ("unit_max", _f32_list, True),
-    ("unit_min_dev", _f32_list, True),
-    ("hist", _i64_list, True),
+# (name, type, nullable, merge) in file order. The merge rule says how the readings of two chunks of
+# one tensor combine (spec §Columns): `same` must agree, `concat` joins along the batch axis, `sum`,
+# `min` and `max` (NaN-ignoring) combine values, `none` is null after a merge.
+COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
+    ("run", pa.string(), False, "same"),
+    ("step", pa.int64(), False, "same"),
+    ("layer", pa.string(), False, "same"),
+    ("layer_index", pa.int32(), False, "same"),
+    ("kind", pa.string(), False, "same"),
+    ("stream", pa.string(), False, "same"),
+    ("param", pa.string(), True, "same"),
+    ("dtype", pa.string(), False, "same"),
+    ("shape", _i64_list, False, "concat"),
+    ("unit_axis", pa.int32(), True, "same"),
+    ("units", pa.int32(), False, "same"),
+    ("bound_lo", pa.float64(), True, "same"),
+    ("bound_hi", pa.float64(), True, "same"),
+    ("mode", pa.string(), True, "same"),
+    ("probe_fingerprint", pa.string(), True, "same"),
+    ("wall_time", pa.float64(), False, "max"),
+    ("count", pa.int64(), False, "sum"),
+    ("nan_count", pa.int64(), False, "sum"),
+    ("inf_count", pa.int64(), False, "sum"),
+    ("zero_count", pa.int64(), False, "sum"),
+    ("sum", pa.float64(), False, "sum"),
+    ("sumsq", pa.float64(), False, "sum"),
+    ("min", pa.float64(), False, "min"),
+    ("max", pa.float64(), False, "max"),
+    ("update_norm", pa.float64(), True, "none"),
+    ("unit_count", _i64_list, True, "sum"),
+    ("unit_zero", _i64_list, True, "sum"),
+    ("unit_sum", _f64_list, True, "sum"),
+    ("unit_sumsq", _f64_list, True, "sum"),
+    ("unit_min", _f32_list, True, "min"),
+    ("unit_max", _f32_list, True, "max"),
+    ("unit_min_dev", _f32_list, True, "min"),
+    ("hist", _i64_list, True, "sum"),
 ]
-UNIT_COLUMNS = tuple(name for name, _, _ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
-SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null in COLUMNS])
-REQUIRED = frozenset(name for name, _, _ in COLUMNS)
-
-# File-level key/value metadata keys (spec §File metadata); values are UTF-8 strings.
-META_KEYS = (
-    "spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
-    "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode",
-)
-
+UNIT_COLUMNS = tuple(name for name, *_ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
+SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null, _ in COLUMNS])
+REQUIRED = frozenset(name for name, *_ in COLUMNS)
+MERGE = {name: rule for name, _, _, rule in COLUMNS}
 
 def bounds_for(kind: str, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:
     """The saturation bounds of a layer: explicit ones (Clip) win over the kind's own."""

@@ -4,8 +4,7 @@
 PyTorch's own OpenMP team) and any other tensor with torch kernels on its device, without a host
 sync. `settle` finishes a batch of torch-path readings with one sync, re-counting the rare one
 with a NaN or Inf exactly; `to_readings` moves the numbers to the host in one transfer, and
-`all_reduce` merges data-parallel ranks. Values agree with `actrace.reduce.reduce_array` (the
-tests check).
+`all_reduce` merges data-parallel ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
 """
 from __future__ import annotations
 
@@ -17,22 +16,20 @@ import numpy as np
 import torch
 
 from actrace import bins, kernel
-from actrace.reduce import Reading, ReductionError, centre, reduce_array
-from actrace.schema import bounds_for
+from actrace.reduce import Reading, ReductionError, centre, combine, reference
+from actrace.schema import MERGE, bounds_for
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
           torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}
 _F64 = torch.float64
-_SUM_FIELDS = ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "hist", "shape0", "nan", "inf")
-_MIN_FIELDS = ("unit_min", "unit_min_dev")
-_MAX_FIELDS = ("unit_max",)
 
 
 @dataclass
 class Pending:
     """A reading whose statistics may still be on the device (mergeable across chunks): numpy
-    arrays from the fused kernel, tensors from the torch path. `stats` may also hold
-    `update_norm`, a 0-d tensor, for parameter readings."""
+    arrays from the fused kernel, tensors from the torch path, named as the spec's columns (as
+    `actrace.reduce.reference` names them); `shape` holds the batch extent, and parameter
+    readings may hold `update_norm`, a 0-d tensor."""
 
     layer: str
     kind: str
@@ -53,13 +50,7 @@ class Pending:
             raise ReductionError(f"layer {self.layer!r}: probe chunks disagree on the units "
                                  f"({_units(self)} on axis {self.unit_axis} vs {_units(other)} on axis {other.unit_axis})")
         for k, v in other.stats.items():
-            lib = torch if isinstance(v, torch.Tensor) else np
-            if k in _MIN_FIELDS:
-                self.stats[k] = lib.fmin(self.stats[k], v)
-            elif k in _MAX_FIELDS:
-                self.stats[k] = lib.fmax(self.stats[k], v)
-            else:
-                self.stats[k] = self.stats[k] + v
+            self.stats[k] = combine(MERGE[k], self.stats[k], v, torch if isinstance(v, torch.Tensor) else np)
 
 
 _local = threading.local()
@@ -130,19 +121,16 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         else:
             view = x.contiguous().view(1, 1, -1)
         st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit, relu_too)
-        pending.stats = {"unit_sum": st["sum"], "unit_sumsq": st["sumsq"], "unit_min": st["min"],
-                         "unit_max": st["max"], "unit_min_dev": st["min_dev"], "unit_zero": st["zero"],
-                         "unit_count": st["finite"], "nan": st["nan_inf"][:1], "inf": st["nan_inf"][1:],
-                         "shape0": np.array([shape0])}
-        if st["hist"] is not None:
-            pending.stats["hist"] = st["hist"]
-        if relu_too and not st["nan_inf"].any():
-            pending.relu = _relu_stats(pending.stats, st)
+        relu = st.pop("relu")
+        pending.stats = {k: v for k, v in st.items() if v is not None}
+        pending.stats["shape"] = np.array([shape0])
+        if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
+            pending.relu = _relu_stats(pending.stats, relu)
         return pending
     pending.source = x
     dims = [d for d in range(x.ndim) if d != axis]
     zero = torch.zeros((), dtype=torch.int64, device=x.device)
-    common = {"shape0": torch.tensor(shape0, device=x.device), "nan": zero, "inf": zero}
+    common = {"shape": torch.tensor(shape0, device=x.device), "nan_count": zero, "inf_count": zero}
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
         flat = x.reshape(-1)
         lo, hi = torch.aminmax(flat)
@@ -176,12 +164,11 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     return pending
 
 
-def _relu_stats(stats: dict, st: dict) -> dict:
+def _relu_stats(stats: dict, sums: dict) -> dict:
     """relu(x)'s statistics from x's fused pass: its sums and zeros come from the kernel; min, max
     and min |h| follow from x's; values <= 0 land in zero's bin."""
-    lo = np.maximum(st["min"], 0)
-    relu = {**stats, "unit_sum": st["relu_sum"], "unit_sumsq": st["relu_sumsq"], "unit_zero": st["relu_zero"],
-            "unit_min": lo, "unit_max": np.maximum(st["max"], 0), "unit_min_dev": lo}
+    lo = np.maximum(stats["unit_min"], 0)
+    relu = {**stats, **sums, "unit_min": lo, "unit_max": np.maximum(stats["unit_max"], 0), "unit_min_dev": lo}
     if "hist" in stats:
         hist = relu["hist"] = stats["hist"].copy()
         hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
@@ -200,25 +187,14 @@ def _units(p: Pending) -> int:
 
 
 def _exact(p: Pending) -> dict:
-    """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them)."""
-    r = reduce_array(p.source.float().cpu().numpy(), p.unit_axis, p.kind, layer=p.layer, stream=p.stream,
-                     bounds=p.bounds, param=p.param, per_unit=p.per_unit, histogram="hist" in p.stats)
+    """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them), shaped
+    as the torch path's."""
+    x = p.source.cpu().numpy()  # float64 stays float64; narrower floats were widened to float32
+    st = reference(x, p.unit_axis if p.per_unit else None, centre=centre(p.bounds), histogram="hist" in p.stats)
     dev = p.stats["unit_sum"].device
-    whole = not p.per_unit
-    stats = {
-        "unit_sum": [r.sum] if whole else r.unit_sum, "unit_sumsq": [r.sumsq] if whole else r.unit_sumsq,
-        "unit_min": [r.min] if whole else r.unit_min, "unit_max": [r.max] if whole else r.unit_max,
-        "unit_zero": [r.zero_count] if whole else r.unit_zero,
-        "unit_count": [r.count - r.nan_count - r.inf_count] if whole else r.unit_count,
-        "shape0": [r.shape[0] if r.shape else 1], "nan": [r.nan_count], "inf": [r.inf_count],
-    }
-    if not whole:
-        stats["unit_min_dev"] = r.unit_min_dev
-    if r.hist is not None:
-        stats["hist"] = r.hist
-    out = {k: torch.as_tensor(np.asarray(v), device=dev).reshape(p.stats[k].shape if k in p.stats else -1)
-           for k, v in stats.items()}
-    out.update({k: v for k, v in p.stats.items() if k == "update_norm"})
+    out = dict(p.stats)  # the batch extent and an update norm stay as they are
+    out.update({k: torch.as_tensor(np.asarray(v), device=dev).reshape(p.stats[k].shape)
+                for k, v in st.items() if k in p.stats})
     return out
 
 
@@ -264,33 +240,21 @@ def _numel(v) -> int:
 
 
 def _finish(p: Pending, v: dict) -> Reading:
-    shape = (int(v["shape0"][0]),) + tuple(p.shape[1:])
-    units = _units(p)
-    nan, inf = int(v["nan"][0]), int(v["inf"][0])
-    r = Reading(layer=p.layer, kind=p.kind, stream=p.stream, dtype=p.dtype, shape=shape,
-                unit_axis=None if p.unit_axis is None else p.unit_axis % len(p.shape), units=units,
-                count=math.prod(shape), nan_count=nan, inf_count=inf, zero_count=int(v["unit_zero"].sum()),
-                sum=float(v["unit_sum"].sum()), sumsq=float(v["unit_sumsq"].sum()),
-                # units with no finite value hold NaN extremes, which fmin/fmax pass over
-                min=float(np.fmin.reduce(v["unit_min"])), max=float(np.fmax.reduce(v["unit_max"])),
-                bounds=p.bounds, param=p.param, hist=v["hist"].astype(np.int64) if "hist" in v else None,
-                update_norm=float(v["update_norm"][0]) if "update_norm" in v else None)
-    if p.per_unit:
-        r.unit_count = v["unit_count"].astype(np.int64)
-        r.unit_zero = v["unit_zero"].astype(np.int64)
-        r.unit_sum, r.unit_sumsq = v["unit_sum"], v["unit_sumsq"]
-        r.unit_min, r.unit_max = v["unit_min"].astype(np.float32), v["unit_max"].astype(np.float32)
-        r.unit_min_dev = v["unit_min_dev"].astype(np.float32)
-    return r
+    shape = (int(v.pop("shape")[0]),) + tuple(p.shape[1:])
+    norm = v.pop("update_norm", None)
+    return Reading.from_stats(v, shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
+                              kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,
+                              update_norm=None if norm is None else float(norm[0]))
 
 
 def all_reduce(pending: list[Pending]) -> None:
     """Merge every rank's readings of its probe shard: sums, minima and maxima across ranks."""
     import torch.distributed as dist
 
-    for fields, op in ((_SUM_FIELDS, dist.ReduceOp.SUM), (_MIN_FIELDS, dist.ReduceOp.MIN),
-                       (_MAX_FIELDS, dist.ReduceOp.MAX)):
-        parts = [(p, k) for p in pending for k in fields if k in p.stats]
+    ops = {"sum": dist.ReduceOp.SUM, "concat": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX}
+    for rule, op in ops.items():
+        parts = [(p, k) for p in pending for k in p.stats if MERGE[k] == rule]
         if not parts:
             continue
         flat = torch.cat([torch.as_tensor(p.stats[k]).reshape(-1).to(torch.float64) for p, k in parts])

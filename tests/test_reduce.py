@@ -1,4 +1,5 @@
-"""The reference reductions: values by construction, exact merges, dtypes and bad input."""
+"""The reference reductions: values by construction, dtypes, merges and the histogram's fast path
+(every backend against the reference: tests/test_contract.py)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -39,64 +40,6 @@ def test_bounded_kind_measures_distance_from_the_centre_of_its_bounds():
     np.testing.assert_allclose(r.unit_min_dev, [0.499, 0.0], atol=1e-6)
 
 
-SHAPES = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
-          "sequence": ((6, 7, 5), -1), "whole": ((6, 4), None)}
-
-
-@pytest.mark.parametrize("shape,axis", SHAPES.values(), ids=SHAPES.keys())
-@settings(max_examples=25, deadline=None)
-@given(data=st.data())
-def test_two_half_batches_merge_into_the_whole_batch(shape, axis, data):
-    x = data.draw(hnp.arrays(np.float32, shape, elements=st.one_of(
-        st.floats(-1e6, 1e6, width=32), st.just(0.0), st.sampled_from([np.nan, np.inf, -np.inf]))))
-    cut = data.draw(st.integers(1, shape[0] - 1))
-    whole = reduce_array(x, axis, "tanh")
-    merged = merge(reduce_array(x[:cut], axis, "tanh"), reduce_array(x[cut:], axis, "tanh"))
-    assert merged.shape == whole.shape
-    for name in ("count", "nan_count", "inf_count", "zero_count"):
-        assert getattr(merged, name) == getattr(whole, name)
-    for name in ("unit_count", "unit_zero", "hist"):
-        np.testing.assert_array_equal(getattr(merged, name), getattr(whole, name))
-    for name in ("unit_min", "unit_max", "unit_min_dev"):
-        np.testing.assert_array_equal(getattr(merged, name), getattr(whole, name))
-    # counts, extremes and histograms merge exactly; sums to the float32 accumulation the spec allows
-    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
-    per_unit = clean.reshape(-1, 1) if axis is None else np.moveaxis(clean, axis, -1).reshape(-1, shape[axis])
-    for name, square in (("unit_sum", False), ("unit_sumsq", True)):
-        bound = 2 * cascade_error(per_unit, square, axes=0)
-        assert np.all(np.abs(getattr(merged, name) - getattr(whole, name)) <= bound), name
-        assert abs(getattr(merged, name[5:]) - getattr(whole, name[5:])) <= bound.sum(), name[5:]
-
-
-def cascade_error(clean: np.ndarray, square: bool, axes) -> np.ndarray:
-    """How far a float32 sum (of squares) over `axes` may stray: runs of up to 64 values summed in
-    float32, then in float64 (spec §Numerics), err by at most 64·2⁻²⁴ of the sum of |terms|."""
-    terms = clean ** 2 if square else np.abs(clean)
-    return 64 * 2.0 ** -24 * terms.sum(axis=axes) + 1e-6
-
-
-@pytest.mark.skipif(not __import__("actrace").kernel.available, reason="the compiled kernel is not built here")
-@pytest.mark.parametrize("shape", [(300, 7, 40), (1, 1, 70001), (3000, 40, 1)])
-def test_a_large_tensor_cut_among_threads_gives_the_whole_tensors_statistics(shape):
-    from actrace import kernel
-    from actrace.reduce import _numpy_stats
-
-    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    x.reshape(-1)[::997] = np.nan
-    x.reshape(-1)[5::1009] = -np.inf
-    x[..., 0] = 0.0
-    assert kernel._job(x, 0.0, True, True, 2)[0].pieces == 2
-    (got,), want = kernel.reduce_many([(x, 0.0, True, True)]), _numpy_stats(x, 0.0, True)
-    for name in ("hist", "zero", "finite", "nan_inf", "min", "max", "min_dev"):
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    np.testing.assert_array_equal(got["relu_zero"], ((x <= 0) & np.isfinite(x)).sum(axis=(0, 2)))
-    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
-    for name, square in (("sum", False), ("sumsq", True)):
-        assert np.all(np.abs(got[name] - want[name]) <= cascade_error(clean, square, (0, 2))), name
-    assert np.all(np.abs(got["relu_sum"] - np.maximum(clean, 0).sum(axis=(0, 2))) <=
-                  cascade_error(np.maximum(clean, 0), False, (0, 2)))
-
-
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_half_precision_accumulates_in_wide_floats(dtype):
     x = np.full((4096, 2), 1.0, dtype=dtype)  # a float16 running sum would stop at 2048
@@ -118,16 +61,6 @@ def test_a_nan_storm_gives_nan_extremes_and_zero_sums():
     r = reduce_array(np.full((3, 4), np.nan, dtype=np.float32), 1, "relu")
     assert r.nan_count == 12 and r.sum == 0 and np.isnan(r.min) and np.isnan(r.max)
     assert r.hist.sum() == 0 and len(r.hist) == N_BINS
-
-
-@pytest.mark.parametrize("bad,message", [
-    (np.zeros((0, 4), np.float32), "empty tensor"),
-    (np.zeros((2, 4), np.int64), "int64"),
-    (np.zeros((2, 4), bool), "bool"),
-])
-def test_unreducible_tensors_get_an_error_naming_the_layer(bad, message):
-    with pytest.raises(ReductionError, match=rf"layer 'blocks\.3\.act'.*{message}"):
-        reduce_array(bad, 1, "relu", layer="blocks.3.act")
 
 
 def test_merge_refuses_readings_of_different_layers():
@@ -154,32 +87,3 @@ def test_the_float32_fast_histogram_equals_the_definition(x):
     np.testing.assert_array_equal(bins.histogram_float32(x, zeros), bins.histogram_exact(x))
 
 
-@pytest.mark.skipif(not __import__("actrace").kernel.available, reason="the compiled kernel is not built here")
-@settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_the_fused_kernel_equals_the_numpy_path(data):
-    from actrace import kernel
-    from actrace.reduce import _numpy_stats
-
-    # dense shapes cover partial and whole 8- and 16-column groups and a second block of 64 rows;
-    # (1, 2, 1100) runs of three 512-value blocks, any of which may hold a NaN or Inf; (70, 3, 2)
-    # short runs read over blocks of 64 rows
-    shape = data.draw(st.sampled_from([(7, 5, 1), (3, 4, 6), (1, 1, 40), (2, 3, 1), (3, 12, 1), (2, 16, 1),
-                                       (66, 19, 1), (1, 2, 1100), (70, 3, 2)]))
-    x = data.draw(hnp.arrays(np.float32, shape, elements=st.one_of(
-        st.floats(-1e6, 1e6, width=32), st.just(0.0),
-        st.sampled_from([np.nan, np.inf, -np.inf, 0.99, -0.999, 3e19, -3e19, 1e-40, -1e-45]))))
-    c = data.draw(st.sampled_from([0.0, 0.5]))
-    got, want = kernel.reduce_f32(x, c, True, relu=True), _numpy_stats(x, c, True)
-    with np.errstate(invalid="ignore"):
-        relu = _numpy_stats(np.where(np.isfinite(x), np.maximum(x, 0), np.nan).astype(np.float32), 0.0, False)
-    np.testing.assert_array_equal(got["relu_zero"], relu["zero"])
-    np.testing.assert_array_equal(got["hist"], want["hist"])
-    for name in ("zero", "finite", "nan_inf"):
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    for name in ("min", "max", "min_dev"):  # NaN in both for a unit with no finite value
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
-    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
-    for name, square in (("sum", False), ("sumsq", True)):
-        assert np.all(np.abs(got[name] - want[name]) <= cascade_error(clean, square, (0, 2))), name
-        assert np.all(np.abs(got["relu_" + name] - relu[name]) <= cascade_error(np.maximum(clean, 0), square, (0, 2)))

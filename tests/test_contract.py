@@ -1,0 +1,253 @@
+"""The reduction contract: every backend gives `actrace.reduce.reference`'s statistics.
+
+One set of cases (NaN, ±inf, a unit with no finite value, subnormals, squares past float32,
+zeros; every layout; every float dtype; whole and merged halves) runs against each backend
+present here: the numpy reference itself (by construction), the C kernel, torch ops with the
+kernel off, torch's fused CPU path (and the relu(x) it derives), torch on CUDA, ONNX Runtime.
+Counts, extremes and histograms must agree exactly; sums to the float32 cascade the spec allows.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from actrace import ReductionError, kernel, merge, reduce_array
+from actrace.reduce import Reading, centre, reference
+from actrace.schema import COLUMNS, MERGE, bounds_for
+
+LAYOUTS = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
+           "sequence": ((6, 7, 5), -1), "whole": ((6, 4), None),
+           # partial 8- and 16-column groups and a second block of 64 rows; runs of three 512-value
+           # blocks; short runs read over blocks of rows
+           "cols-19": ((66, 19), 1), "runs-1100": ((6, 2, 1100), 1), "short-runs": ((70, 3, 2), 1),
+           # cut among threads by the kernel
+           "large-nchw": ((300, 7, 40), 1), "large-whole": ((1, 70001), None), "large-dense": ((3000, 40), 1)}
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def values(case: str, shape: tuple, dtype) -> np.ndarray:
+    """`clean`: normal values with zeros; `hard` adds NaN, ±inf, a unit with no finite value,
+    subnormals and values whose float32 squares overflow."""
+    rng = np.random.default_rng(len(shape) * 100 + shape[-1])
+    x = rng.standard_normal(shape) * 3
+    flat = x.reshape(-1)
+    flat[::7] = 0.0
+    if case == "hard":
+        flat[1::11], flat[2::13], flat[3::17] = np.nan, np.inf, -np.inf
+        flat[4::19], flat[5::23] = 1e-40, -1e-45
+        flat[6::29] = 3e19
+        if x.ndim > 1 and x.shape[-1] > 1:
+            x[..., -1] = np.nan  # the last unit of the unit-last layouts has no finite value
+    with np.errstate(over="ignore"):  # 3e19 is inf in float16, as the backends see it too
+        return x.astype(dtype)
+
+
+def from_reference(x, axis, kind, layer="x") -> Reading:
+    bounds = bounds_for(kind)
+    return Reading.from_stats(reference(x, axis, centre=centre(bounds)), shape=x.shape, unit_axis=axis,
+                              layer=layer, kind=kind, stream="activation", dtype=str(x.dtype), bounds=bounds)
+
+
+def cascade_error(x: np.ndarray, axis, square: bool) -> np.ndarray:
+    """How far a float32 sum (of squares) may stray: runs of up to 64 values summed in float32,
+    then in float64 (spec §Numerics), err by at most 64·2⁻²⁴ of the sum of |terms| per unit."""
+    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
+    per_unit = clean.reshape(-1, 1) if axis is None else np.moveaxis(clean, axis, -1).reshape(-1, x.shape[axis])
+    terms = per_unit ** 2 if square else np.abs(per_unit)
+    return 64 * 2.0 ** -24 * terms.sum(axis=0) + 1e-6
+
+
+def assert_same(got: Reading, want: Reading, x: np.ndarray, axis) -> None:
+    for name in ("shape", "units", "unit_axis", "count", "nan_count", "inf_count", "zero_count"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("unit_count", "unit_zero", "hist", "unit_min", "unit_max", "unit_min_dev"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    np.testing.assert_array_equal([got.min, got.max], [want.min, want.max])
+    for name, square in (("unit_sum", False), ("unit_sumsq", True)):
+        bound = cascade_error(x.astype(np.float32) if x.dtype.itemsize < 4 else x, axis, square)
+        assert np.all(np.abs(getattr(got, name) - getattr(want, name)) <= bound), name
+
+
+# --- the backends: (values, unit axis, kind, halves) -> Reading ---------------------------------
+
+def numpy_reference(x, axis, kind, halves):
+    if halves:
+        return merge(from_reference(x[:3], axis, kind), from_reference(x[3:], axis, kind))
+    return from_reference(x, axis, kind)
+
+
+def c_kernel(x, axis, kind, halves):
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+    if x.dtype == np.float64:
+        pytest.skip("the kernel reads float32 (and narrower floats, widened)")
+    if halves:
+        return merge(reduce_array(x[:3], axis, kind, layer="x"), reduce_array(x[3:], axis, kind, layer="x"))
+    return reduce_array(x, axis, kind, layer="x")
+
+
+def _torch_reading(x, axis, kind, halves, device, relu_too=False):
+    torch = pytest.importorskip("torch")
+    from actrace.adapters import _torch_reduce as tr
+
+    t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16 \
+        else torch.from_numpy(x)
+    parts = [t[:3], t[3:]] if halves else [t]
+    pending = [tr.reduce_tensor(p.to(device), axis, kind, layer="x", relu_too=relu_too) for p in parts]
+    tr.settle(pending)
+    for p in pending[1:]:
+        pending[0].merge(p)
+    return pending[0]
+
+
+def torch_ops(x, axis, kind, halves, monkeypatch):
+    from actrace.adapters import _torch_reduce as tr
+
+    monkeypatch.setattr(kernel, "available", False)  # the path any tensor takes where the kernel is not
+    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
+    return r
+
+
+def torch_fused(x, axis, kind, halves):
+    from actrace.adapters import _torch_reduce as tr
+
+    if not kernel.available or x.dtype == np.float64:
+        pytest.skip("the fused path reads CPU float32 (and narrower floats, widened) with the kernel built")
+    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
+    return r
+
+
+def torch_cuda(x, axis, kind, halves):
+    torch = pytest.importorskip("torch")
+    from actrace.adapters import _torch_reduce as tr
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cuda")])
+    return r
+
+
+def onnx_runtime(x, axis, kind, halves, tmp_path):
+    """ONNX Runtime computes sigmoid(x) and the adapter reduces that intermediate tensor, over the
+    probe's chunks when halved; the reference reduces the tensor ORT gives for the whole probe."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from actrace.adapters.onnx import Checkpoint
+
+    if x.dtype not in (np.float32, np.float64) or axis is None or axis % x.ndim != x.ndim - 1 or kind != "sigmoid":
+        pytest.skip("read here: a float32/float64 Sigmoid of a graph input, whose units are its last axis")
+    elem = TensorProto.FLOAT if x.dtype == np.float32 else TensorProto.DOUBLE
+    dims = ["N"] + list(x.shape[1:])
+    graph = helper.make_graph([helper.make_node("Sigmoid", ["x"], ["h"], name="h"),
+                               helper.make_node("Identity", ["h"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", elem, dims)],
+                              [helper.make_tensor_value_info("y", elem, dims)])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    (r,) = Checkpoint(path).read({"x": x}, chunk=3 if halves else len(x))
+    (made,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    return r, made, axis
+
+
+BACKENDS = {"numpy-reference": numpy_reference, "c-kernel": c_kernel, "torch-ops": torch_ops,
+            "torch-fused": torch_fused, "torch-cuda": torch_cuda, "onnxruntime": onnx_runtime}
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["whole", "merged-halves"])
+@pytest.mark.parametrize("kind", ["linear", "sigmoid"])
+@pytest.mark.parametrize("case", ["clean", "hard"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.keys())
+@pytest.mark.parametrize("backend", BACKENDS.keys())
+def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, case, kind, halves, monkeypatch,
+                                                     tmp_path):
+    shape, axis = LAYOUTS[layout]
+    if halves and shape[0] < 6:
+        pytest.skip("no batch to halve")
+    x = values(case, shape, dtype)
+    fn = BACKENDS[backend]
+    extra = {"torch-ops": {"monkeypatch": monkeypatch}, "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
+    got = fn(x, axis, kind, halves, **extra)
+    if backend == "onnxruntime":
+        got, x, axis = got
+    assert_same(got, from_reference(x, axis, kind), x, axis)
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k.startswith("large")])
+def test_the_large_layouts_are_cut_among_threads(layout):
+    from actrace.reduce import view3
+
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+    shape, axis = LAYOUTS[layout]
+    assert kernel._job(view3(values("hard", shape, np.float32), axis), 0.0, True, False, 2)[0].pieces == 2
+
+
+def test_the_reference_gives_the_values_planted_in_it():
+    """The oracle itself, by construction: NaN, ±inf, zeros and extremes where they were put."""
+    x = np.array([[0.0, 2.0, np.nan], [0.0, 0.5, np.nan], [np.inf, -1e-40, np.nan], [-3.0, 3e19, np.nan]])
+    st = reference(x, 1, centre=0.5)
+    assert (st["nan_count"], st["inf_count"]) == (4, 1)
+    assert st["unit_count"].tolist() == [3, 4, 0] and st["unit_zero"].tolist() == [2, 0, 0]
+    assert st["unit_sum"][:2].tolist() == [-3.0, 2.5 - 1e-40 + 3e19]
+    assert st["unit_min"][:2].tolist() == [-3.0, -1e-40] and st["unit_max"][:2].tolist() == [0.0, 3e19]
+    assert st["unit_min_dev"][:2].tolist() == [0.5, 0.0]  # |0.5 - 0.5|
+    assert np.isnan(st["unit_min"][2]) and np.isnan(st["unit_max"][2]) and np.isnan(st["unit_min_dev"][2])
+    assert st["hist"].sum() == x.size - 4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("case", ["clean", "hard"])
+def test_torch_reads_relu_from_its_inputs_pass_as_the_reference_reads_relu(case, dtype):
+    """The fused pass over x also gives relu(x)'s statistics (a following ReLU needs no pass)."""
+    torch = pytest.importorskip("torch")
+    from actrace.adapters import _torch_reduce as tr
+
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+    x = values(case, (64, 9), dtype)
+    p = tr.reduce_tensor(torch.from_numpy(x), 1, "linear", layer="x", relu_too=True)
+    if case == "hard":
+        assert p.relu is None  # NaN or Inf: the ReLU takes its own pass, where each value is known
+        return
+    (got,) = tr.to_readings([tr.relu_of(p, "x.relu")])
+    relu = np.maximum(x, 0)
+    assert_same(got, from_reference(relu, 1, "relu", "x.relu"), relu, 1)
+
+
+def test_empty_and_non_float_tensors_are_refused_by_every_path():
+    torch = pytest.importorskip("torch")
+    from actrace.adapters import _torch_reduce as tr
+
+    for bad, message in ((np.zeros((0, 4), np.float32), "empty"), (np.zeros((2, 4), np.int64), "int64")):
+        with pytest.raises(ReductionError, match=rf"layer 'blocks\.3'.*{message}"):
+            reduce_array(bad, 1, "relu", layer="blocks.3")
+        with pytest.raises(ReductionError, match=rf"layer 'blocks\.3'.*{message}"):
+            tr.reduce_tensor(torch.from_numpy(bad), 1, "relu", layer="blocks.3")
+
+
+def test_the_schema_merge_rules_are_the_specs():
+    """Each column's merge rule in `actrace.schema` is the one in the spec's column table."""
+    import re
+    from pathlib import Path
+
+    table = Path(__file__).parents[1].joinpath("spec", "trace-v1.md").read_text()
+    spec = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| (?:yes|no) \| (\w+) \|", table, re.M))
+    assert spec == MERGE and len(spec) == len(COLUMNS)
+
+
+def test_a_kernel_built_for_another_struct_layout_is_refused_at_import(monkeypatch):
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+
+    class Shorter(ctypes.Structure):  # a Job that lost a field, as after an edit of one side only
+        _fields_ = kernel._Job._fields_[:-1]
+
+    monkeypatch.setattr(kernel, "_Job", Shorter)
+    with pytest.raises(kernel.LayoutError, match="rebuild"):
+        kernel._load()
