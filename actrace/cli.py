@@ -23,61 +23,40 @@ def progress(message: str) -> None:
     print(f"actrace: {message}…", file=sys.stderr, flush=True)
 
 
-def first_run(paths) -> str:
-    """The run of the first trace given: the default baseline."""
-    from .reader import read_source, trace_sources
-
-    return read_source(trace_sources(paths)[0], ["run"])[1].get("run_name")
-
-
-def analysis_metrics(args):
-    from .analyzer.metrics import Thresholds, metrics
+def analysis(args):
+    """Every trace read once, with the analyzer commands' common options."""
+    from .analyzer.analysis import analyze
+    from .analyzer.compare import load_mapping
+    from .analyzer.findings import Rules
+    from .analyzer.metrics import Thresholds
 
     th = Thresholds(args.dead_eps, args.sat_threshold)
-    progress("computing metrics")
-    m = metrics(args.paths, th)
-    if m.is_empty():
-        raise ValueError(f"no readings in {' '.join(args.paths)}")
-    return m
-
-
-def analysis(args):
-    """Metrics and findings for the analyzer commands' common options."""
-    from .analyzer.findings import Rules, findings
-
-    m = analysis_metrics(args)
     rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation") if getattr(args, k, None) is not None})
-    progress("applying findings rules")
-    return m, findings(m, rules)
-
-
-def comparison(args, m):
-    """The runs' differences from the baseline (`--baseline`, else the first trace's run)."""
-    from .analyzer.compare import compare, load_mapping
-
-    progress("comparing runs")
-    mapping = load_mapping(args.mapping) if args.mapping else None
-    return compare(m, args.baseline or first_run(args.paths), mapping=mapping, x=args.x), mapping
+    progress("reading traces, computing metrics and findings")
+    a = analyze(args.paths, th, rules, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x)
+    if a.metrics.is_empty():
+        raise ValueError(f"no readings in {' '.join(args.paths)}")
+    return a
 
 
 def cmd_summary(args) -> int:
     from .analyzer.summary import format_comparison, format_findings, layer_table, machine_metrics
 
+    a = analysis(args)
     if args.format != "text":
-        m = analysis_metrics(args)
-        text = machine_metrics(m, args.format)
+        text = machine_metrics(a.metrics, args.format)
         if args.output:
             with open(args.output, "w") as f:
                 f.write(text)
-            progress(f"wrote {m.height} metric rows to {args.output}")
+            progress(f"wrote {a.metrics.height} metric rows to {args.output}")
         else:
             sys.stdout.write(text)
         return 0
-    m, found = analysis(args)
-    compared, _ = comparison(args, m)
-    print(format_findings(found))
+    progress("comparing runs")
+    compared = a.compared(args.baseline)
+    print(format_findings(a.findings))
     print()
-    print(layer_table(m))
+    print(layer_table(a.metrics))
     if not compared.is_empty():
         print()
         print(format_comparison(compared))
@@ -88,11 +67,9 @@ def cmd_report(args) -> int:
     from .analyzer.report import build_report
     from .analyzer.summary import format_findings
 
-    m, found = analysis(args)
-    compared, mapping = comparison(args, m)
-    out = build_report(args.paths, m, found, args.output, compared=compared, mapping=mapping, x=args.x,
-                       progress=progress)
-    print(format_findings(found))
+    a = analysis(args)
+    out = build_report(a, args.output, baseline=args.baseline, progress=progress)
+    print(format_findings(a.findings))
     print(f"report: {out} ({out.stat().st_size / 2**20:.1f} MiB; open it in any browser, it works offline)")
     return 0
 
@@ -100,9 +77,10 @@ def cmd_report(args) -> int:
 def cmd_check(args) -> int:
     from .analyzer.check import violations
 
-    m, found = analysis(args)
-    bad = violations(m, found, max_dead=args.max_dead, max_saturation=args.max_saturation, no_nan=args.no_nan,
-                     min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm, fail_on=args.fail_on)
+    a = analysis(args)
+    bad = violations(a.metrics, a.findings, max_dead=args.max_dead, max_saturation=args.max_saturation,
+                     no_nan=args.no_nan, min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm,
+                     fail_on=args.fail_on)
     for line in bad:
         print(line)
     print(f"check: {len(bad)} violation(s)" if bad else "check: passed")

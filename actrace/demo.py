@@ -112,9 +112,7 @@ def run_demo(out_dir) -> int:
     import torch
 
     from .adapters.onnx import record_onnx
-    from .analyzer.compare import compare
-    from .analyzer.findings import findings
-    from .analyzer.metrics import metrics
+    from .analyzer.analysis import analyze
     from .analyzer.report import build_report
     from .analyzer.summary import format_findings
 
@@ -141,12 +139,9 @@ def run_demo(out_dir) -> int:
                 op_types=["Relu", "Gemm"])
     traces.append(onnx_trace)
     say(f"[{len(RUNS) + 2}/{len(RUNS) + 2}] analyzing {len(traces)} traces")
-    m = metrics(traces)
-    found = findings(m)
-    compared = compare(m, RUNS[0].name)
-    report = build_report(traces, m, found, out_dir / "report.html", compared=compared,
-                          progress=lambda msg: say(f"  {msg}…"))
-    print(format_findings(found))
+    analysis = analyze(traces)
+    report = build_report(analysis, out_dir / "report.html", progress=lambda msg: say(f"  {msg}…"))
+    print(format_findings(analysis.findings))
     print(f"\ntraces:  {runs_dir}/  ({len(traces)} runs: {', '.join(p.stem for p in traces)})")
     print(f"report:  {report}  (open it in a browser; it works offline)")
     print(f"again:   actrace summary {runs_dir}   |   actrace report {runs_dir}/*.parquet -o report.html")

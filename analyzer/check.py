@@ -4,12 +4,13 @@ from __future__ import annotations
 import polars as pl
 
 from .findings import SEVERITY_RANK, Finding
+from .metrics import last_reading
 
 
 def violations(m: pl.DataFrame, found: list[Finding], *, max_dead=None, max_saturation=None, no_nan=False,
                min_grad_norm=None, max_grad_norm=None, fail_on=None) -> list[str]:
     """One line per violated rule; with no explicit rule, critical findings are the rules."""
-    last = m.filter(pl.col("step") == pl.col("step").max().over("run", "layer", "stream"))
+    last = last_reading(m, "run", "layer", "stream")
     out = []
 
     def over(df, column, limit, sign, what):

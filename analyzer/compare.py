@@ -52,16 +52,15 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
     return out.with_columns(pl.col("step").cast(pl.Float64).alias("x"))
 
 
-def compare(m: pl.DataFrame, baseline: str | None = None, *, mapping=None, x: str = "step",
-            top: int = 20) -> pl.DataFrame:
-    """Per metric, the (run, layer) pairs that differ most from the baseline run on average."""
-    runs = m["run"].unique(maintain_order=True).to_list()
+def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", top: int = 20) -> pl.DataFrame:
+    """Per metric, the (run, layer) pairs that differ most from the baseline run on average, from
+    metrics aligned by `align(m, mapping, x)`."""
+    runs = a["run"].unique(maintain_order=True).to_list()
     if len(runs) < 2:
         return pl.DataFrame()
     baseline = baseline or runs[0]
     if baseline not in runs:
         raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
-    a = align(m, mapping, x)
     bins = 20  # progress is compared on a grid of 5 % of training; steps compare exactly
     key = (pl.col("x") * bins).round() / bins if x == "progress" else pl.col("x")
     long = (a.with_columns(key.alias("x")).unpivot(index=["run", "aligned", "stream", "x"], on=COMPARED,

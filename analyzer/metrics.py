@@ -1,8 +1,8 @@
 """Metrics from traces (spec/trace-v1.md §Metrics): Polars expressions over the raw reductions.
 
-Every threshold is an argument here, never a property of the trace. `metrics()` reads only the
-columns it needs, one trace at a time: per-unit lists are reduced to counts as each trace is
-read, so many runs fit in bounded memory.
+Every threshold is an argument here, never a property of the trace. `readings()` reads each trace
+once, only the columns the metrics and the report's histograms need: per-unit lists are reduced to
+counts as each trace is read, so many runs fit in bounded memory.
 """
 from __future__ import annotations
 
@@ -149,44 +149,45 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                    ).drop("_has_update")
 
 
-_BOUNDED_ONLY = ("unit_min_dev", "hist")  # needed only where a layer has saturation bounds
-
-
-def _reduce_source(source, th: Thresholds) -> pl.DataFrame:
-    """One trace's scalar columns plus its dead and pinned unit counts and histogram."""
-    table, _ = read_source(source, [c for c in _READ if c not in _BOUNDED_ONLY])
-    if table["bound_lo"].null_count < len(table):
-        extra, _ = read_source(source, list(_BOUNDED_ONLY))
-        table = table.append_column("unit_min_dev", extra["unit_min_dev"]).append_column("hist", extra["hist"])
-    else:
-        table = table.append_column("unit_min_dev", pa.nulls(len(table), pa.list_(pa.float32()))) \
-                     .append_column("hist", pa.nulls(len(table), pa.list_(pa.int64())))
+def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
+    """One trace's scalar columns and histograms plus its dead and pinned unit counts; its metadata."""
+    table, meta = read_source(source, _READ)
     counts = unit_counts(table, th)
     table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
     return pl.from_arrow(table).with_columns(
         pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
-        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True))
+        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True)), dict(meta, file=str(source))
 
 
-def readings(paths, th: Thresholds) -> pl.LazyFrame:
-    """Every trace reduced to scalar rows, two at a time (reading one while reducing the other),
-    so memory holds at most two traces' per-unit lists."""
+def readings(paths, th: Thresholds) -> tuple[pl.DataFrame, list[dict]]:
+    """Every trace reduced to scalar rows (with histograms), and each trace's metadata, in the order
+    given; two traces at a time (reading one while reducing the other), so memory holds at most
+    two traces' per-unit lists."""
     sources = trace_sources(paths)
     if not sources:
         raise TraceError(f"no traces found in {paths}")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        frames = list(pool.map(lambda s: _reduce_source(s, th), sources))
-    return pl.concat([f.lazy() for f in frames], how="diagonal_relaxed")
+        done = list(pool.map(lambda s: _reduce_source(s, th), sources))
+    return pl.concat([f for f, _ in done], how="diagonal_relaxed"), [meta for _, meta in done]
 
 
-def metrics(paths, th: Thresholds = Thresholds(), *, lazy: bool = False):
-    """Per (run, layer, stream, step) metrics of the given traces, sorted for reading."""
-    lf = readings(paths, th)
+def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
+    """Per (run, layer, stream, step) metrics of reduced readings, sorted for reading."""
+    lf = rows.lazy()
     bound_pairs = lf.select("bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
     act = activation_metrics(lf, th, bound_pairs)
     par = parameter_metrics(lf)
     out = pl.concat([act, par], how="diagonal_relaxed").with_columns(
         pl.when(pl.col("stream").is_in(["param_grad", "activation_grad"])).then(pl.col("norm"))
         .alias("grad_norm"))
-    out = out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "step")
-    return out if lazy else out.collect()
+    return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "step").collect()
+
+
+def last_reading(df: pl.DataFrame, *keys: str) -> pl.DataFrame:
+    """The rows at the last step of each group of `keys` (each layer's latest state)."""
+    return df.filter(pl.col("step") == pl.col("step").max().over(*keys))
+
+
+def metrics(paths, th: Thresholds = Thresholds()) -> pl.DataFrame:
+    """Per (run, layer, stream, step) metrics of the given traces."""
+    return from_readings(readings(paths, th)[0], th)

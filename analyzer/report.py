@@ -14,11 +14,10 @@ import numpy as np
 import polars as pl
 
 from actrace import bins
-from actrace.reader import read_source, trace_sources
-
 from . import charts
-from .compare import align
+from .analysis import Analysis
 from .findings import Finding, group
+from .metrics import last_reading
 
 MAX_STEPS = 60           # heatmap columns per run
 MAX_HIST_PAIRS = 40      # (run, layer) histograms embedded: layers with findings first
@@ -44,21 +43,14 @@ def _bin_labels() -> list[str]:
     return labels
 
 
-def histogram_frame(paths, pairs: list[tuple[str, str]]) -> pl.DataFrame:
+def histogram_frame(hist: pl.DataFrame, pairs: list[tuple[str, str]]) -> pl.DataFrame:
     """Long (pair, step, bin, count, share) frame of the chosen layers' activation histograms."""
     labels = _bin_labels()
-    wanted = set(pairs)
-    frames = []
-    for source in trace_sources(paths):
-        table, _ = read_source(source, ["run", "layer", "stream", "step", "hist"])
-        df = pl.from_arrow(table).filter((pl.col("stream") == "activation") & pl.col("hist").is_not_null())
-        df = df.filter(pl.struct("run", "layer").map_elements(
-            lambda r: (r["run"], r["layer"]) in wanted, return_dtype=pl.Boolean))
-        if df.height:
-            frames.append(_thin_steps(df, MAX_HIST_STEPS))
-    if not frames:
+    chosen = pl.DataFrame(pairs, schema=["run", "layer"], orient="row")
+    df = _thin_steps(hist.join(chosen, on=["run", "layer"], how="semi"), MAX_HIST_STEPS)
+    if not df.height:
         return pl.DataFrame()
-    df = pl.concat(frames).with_columns(pl.int_range(bins.N_BINS).implode().alias("bin"))
+    df = df.with_columns(pl.int_range(bins.N_BINS).implode().alias("bin"))
     df = df.explode("hist", "bin").filter(pl.col("hist") > 0).rename({"hist": "count"})
     return df.with_columns(
         (pl.col("run") + " · " + pl.col("layer")).alias("pair"),
@@ -143,16 +135,17 @@ def _comparison_html(compared: pl.DataFrame | None, per_metric: int = 5) -> str:
                             "points"]))
 
 
-def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, compared: pl.DataFrame | None = None,
-                 mapping=None, x: str = "step", progress=lambda msg: None) -> Path:
-    """Write the report for metrics `m` (from `metrics()`) and its findings to `out`."""
+def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, progress=lambda msg: None) -> Path:
+    """Write the report of an analysis to `out`, runs compared with `baseline` (default: the first)."""
     import altair as alt
     import vl_convert
     from altair.utils._importers import vl_version_for_vl_convert
 
     alt.data_transformers.disable_max_rows()
+    m, found, x = analysis.metrics, analysis.findings, analysis.x
     progress("aligning runs")
-    a = align(m, mapping, x)
+    a = analysis.aligned
+    compared = analysis.compared(baseline)
     acts = _thin_steps(a.filter(pl.col("stream") == "activation"), MAX_STEPS)
     grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), MAX_STEPS)
     heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value")
@@ -190,27 +183,24 @@ def build_report(paths, m: pl.DataFrame, found: list[Finding], out: Path, *, com
                                                ("grad_norm", "gradient norm")],
                                    "fraction of training" if x == "progress" else "step", default_layer=focus_aligned))
     if grads.height:
-        last = grads.filter(pl.col("step") == pl.col("step").max().over("run"))
+        last = last_reading(grads, "run")
         section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "
                 "Exploding: above 1 and rising.", "profile", charts.gradient_profile(last))
     progress("reading histograms")
     flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found]
     layer_pairs = acts.select("run", "layer", "layer_index").unique().sort("run", "layer_index")
     pairs = list(dict.fromkeys(flagged + [tuple(r) for r in layer_pairs.select("run", "layer").rows()]))
-    hist = histogram_frame(paths, pairs[:MAX_HIST_PAIRS])
+    hist = histogram_frame(analysis.hist, pairs[:MAX_HIST_PAIRS])
     if hist.height:
         section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
                 f"own). Shown for {min(len(pairs), MAX_HIST_PAIRS)} of {len(pairs)} layers, those with findings "
                 "first.", "histogram", charts.histogram_over_time(
                     hist, f"{focus.run} · {focus.layer}" if focus else None))
     progress("writing page")
-    runs = []
-    for source in trace_sources(paths):
-        meta = read_source(source, ["run"])[1]
-        runs.append({"run": meta.get("run_name"), "framework": f"{meta.get('framework')} "
-                     f"{meta.get('framework_version')}", "adapter": meta.get("adapter"), "mode": meta.get("mode"),
-                     "probe": meta.get("probe_fingerprint"), "created": meta.get("created"),
-                     "host": meta.get("host"), "config": meta.get("config"), "file": str(source)})
+    runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",
+             "adapter": meta.get("adapter"), "mode": meta.get("mode"), "probe": meta.get("probe_fingerprint"),
+             "created": meta.get("created"), "host": meta.get("host"), "config": meta.get("config"),
+             "file": meta["file"]} for meta in analysis.runs]
     n_runs = m["run"].n_unique()
     n_layers = m.select("run", "layer").unique().height
     page = PAGE.format(

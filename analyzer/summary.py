@@ -4,7 +4,7 @@ from __future__ import annotations
 import polars as pl
 
 from .findings import Finding, group
-from .metrics import METRIC_COLUMNS
+from .metrics import METRIC_COLUMNS, last_reading
 
 
 def _fmt(v, pct: bool = False) -> str:
@@ -32,9 +32,9 @@ def format_findings(found: list[Finding]) -> str:
 def layer_table(m: pl.DataFrame) -> str:
     """Per run and layer, the activation metrics at the last reading and the last gradient norm."""
     act = m.filter(pl.col("stream") == "activation")
-    act = act.filter(pl.col("step") == pl.col("step").max().over("run", "layer"))
+    act = last_reading(act, "run", "layer")
     grad = m.filter(pl.col("stream") == "param_grad")
-    grad = grad.filter(pl.col("step") == pl.col("step").max().over("run", "layer")).select("run", "layer", "grad_norm")
+    grad = last_reading(grad, "run", "layer").select("run", "layer", "grad_norm")
     t = act.drop("grad_norm").join(grad, on=["run", "layer"], how="full", coalesce=True).sort(
         "run", "layer_index", nulls_last=True)
     header = f"  {'layer':<32} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'sparse':>7} {'sat.v':>6} " \

@@ -99,7 +99,7 @@ def test_runs_with_other_layer_names_align_by_order_among_kinds(tmp_path):
     m = metrics(tmp_path)
     a = align(m)
     assert sorted(a.filter(pl.col("run") == "b")["aligned"].unique()) == ["relu[0]", "relu[1]", "relu[2]", "tanh[0]"]
-    c = compare(m, "a")
+    c = compare(a, "a")
     top = c.filter(pl.col("metric") == "dead_fraction").row(0, named=True)
     assert (top["run"], top["aligned"], top["difference"]) == ("b", "relu[2]", 0.5)
 

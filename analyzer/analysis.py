@@ -1,0 +1,57 @@
+"""One analysis of a set of traces: each trace read once into metrics, findings, run metadata and
+histograms, which `summary`, `check` and `report` share; runs are aligned once, when asked."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import polars as pl
+
+from .compare import align, compare
+from .findings import Finding, Rules, findings
+from .metrics import Thresholds, from_readings, readings
+
+
+@dataclass
+class Analysis:
+    metrics: pl.DataFrame     # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more
+    runs: list[dict]          # per trace, in the order given: its file metadata and `file`
+    hist: pl.DataFrame        # run, layer, step, hist of every activation reading with a histogram
+    rules: Rules = Rules()
+    mapping: dict | None = None
+    x: str = "step"
+    _compared: dict = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def findings(self) -> list[Finding]:
+        """The findings rules over the metrics, most urgent first."""
+        return findings(self.metrics, self.rules)
+
+    @property
+    def baseline(self) -> str | None:
+        """The default baseline: the run of the first trace given."""
+        return self.runs[0].get("run_name") if self.runs else None
+
+    @cached_property
+    def aligned(self) -> pl.DataFrame:
+        """The metrics with `aligned` (a layer key shared across runs) and `x` (analyzer.compare)."""
+        return align(self.metrics, self.mapping, self.x)
+
+    def compared(self, baseline: str | None = None) -> pl.DataFrame:
+        """The runs' largest differences from `baseline` (default: the first trace's run)."""
+        baseline = baseline or self.baseline
+        if baseline not in self._compared:
+            self._compared[baseline] = compare(self.aligned, baseline, x=self.x)
+        return self._compared[baseline]
+
+
+def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,
+            x: str = "step") -> Analysis:
+    """Read every trace once and derive what the analyzer commands show."""
+    if x not in ("step", "progress"):
+        raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
+    rows, runs = readings(paths, th)
+    m = from_readings(rows, th)
+    hist = rows.filter((pl.col("stream") == "activation") & pl.col("hist").is_not_null()).select(
+        "run", "layer", "step", "hist")
+    return Analysis(m, runs, hist, rules, mapping, x)
