@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from . import metadata
 from .metadata import TraceError
-from .schema import SCHEMA
+from .schema import ADDED_IN_1_1, SCHEMA
 
 
 def expand(pattern) -> list[str]:
@@ -68,9 +68,13 @@ def read_source(source: Path, columns: list[str] | None = None) -> tuple[pa.Tabl
         meta = metadata.read(f)
         cols = [c for c in known_columns(f) if columns is None or c in columns]
         try:
-            tables.append(pq.read_table(f, columns=cols))
+            table = pq.read_table(f, columns=cols)
         except (pa.ArrowException, OSError) as exc:
             raise TraceError(f"{f}: cannot read: {exc}") from None
+        for name in sorted(ADDED_IN_1_1 - set(table.column_names)):  # an older minor version's file
+            if columns is None or name in columns:
+                table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
+        tables.append(table)
     return pa.concat_tables(tables, promote_options="permissive"), meta
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import bins, kernel
-from .schema import MERGE, SCHEMA, STREAMS, bounds_for
+from .schema import MERGE, SAT_LEVELS, SCHEMA, STREAMS, bounds_for
 
 
 class ReductionError(ValueError):
@@ -51,13 +51,15 @@ class Reading:
     unit_max: np.ndarray | None = None
     unit_min_dev: np.ndarray | None = None
     hist: np.ndarray | None = None
+    sat_counts: np.ndarray | None = None
 
     @classmethod
     def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
                    **fields) -> "Reading":
         """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
-        `hist`, `nan_count`, `inf_count`), as every backend gives them; the layer totals follow
-        from them (spec §Columns). Without `per_unit` only the totals are kept."""
+        `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
+        totals follow from them (spec §Columns). Without `per_unit` only the totals are kept.
+        Float64 extremes are rounded outward to float32, so a nonzero value never becomes 0."""
         v = {k: np.asarray(x) for k, x in stats.items() if x is not None}
         unit_axis = None if unit_axis is None else unit_axis % len(shape)
         r = cls(shape=tuple(int(n) for n in shape), unit_axis=unit_axis,
@@ -67,11 +69,48 @@ class Reading:
                 sumsq=float(v["unit_sumsq"].sum()),
                 # units with no finite value hold NaN extremes, which fmin/fmax pass over
                 min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
-                hist=v["hist"].astype(np.int64) if "hist" in v else None, **fields)
+                hist=v["hist"].astype(np.int64) if "hist" in v else None,
+                sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **fields)
         if per_unit:
             for name, dtype in _UNIT_DTYPES.items():
                 setattr(r, name, v[name].reshape(-1).astype(dtype))
+            for name, toward in (("unit_min", -np.inf), ("unit_max", np.inf), ("unit_min_dev", -np.inf)):
+                setattr(r, name, outward(v[name].reshape(-1), toward))
         return r
+
+
+def outward(v: np.ndarray, toward: float) -> np.ndarray:
+    """`v` as float32, each value rounded toward `toward` (-inf for a minimum, +inf for a maximum)
+    where float32 cannot hold it: a stored minimum is never above the true one (spec §Numerics)."""
+    f = v.astype(np.float32)
+    if v.dtype == np.float64:
+        with np.errstate(invalid="ignore"):
+            off = f > v if toward < 0 else f < v
+        f[off] = np.nextafter(f[off], np.float32(toward))
+    return f
+
+
+def _f32_inward(v: float, up: bool) -> float:
+    """The float32 nearest `v` on the side of the values a comparison keeps: for float32 x,
+    `x >= v` ⇔ `x >= _f32_inward(v, up=True)` and `x <= v` ⇔ `x <= _f32_inward(v, up=False)`."""
+    f = np.float32(v)
+    if (f < v) if up else (f > v):
+        f = np.nextafter(f, np.float32(np.inf if up else -np.inf))
+    return float(f)
+
+
+def sat_counts(x, bounds: tuple[float, float], lib=np):
+    """Non-NaN values within `(1 - t) · max(|lo|, |hi|)` of each bound, for t in SAT_LEVELS:
+    [lo at 0.999, 0.99, 0.9, hi at 0.9, 0.99, 0.999] (spec §Columns), thresholds in float64 and
+    compared exactly whatever the dtype. `x` is a numpy array or (`lib=torch`) a tensor."""
+    lo, hi = bounds
+    m = max(abs(lo), abs(hi))
+    narrow = str(x.dtype).endswith("float32")
+    lows = [lo + (1 - t) * m for t in reversed(SAT_LEVELS)]
+    highs = [hi - (1 - t) * m for t in SAT_LEVELS]
+    if narrow:
+        lows, highs = [_f32_inward(v, False) for v in lows], [_f32_inward(v, True) for v in highs]
+    return lib.stack([(x <= v).sum() for v in lows] + [(x >= v).sum() for v in highs])
 
 
 _UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype()
@@ -124,11 +163,12 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
     dtype = str(np.asarray(x).dtype)
     bounds = bounds_for(kind, bounds)
     x3 = view3(x, unit_axis, layer)
-    c = centre(bounds)
     if kernel.available and x3.dtype == np.float32:
-        st = kernel.reduce_f32(np.ascontiguousarray(x3), c, histogram)
+        st = kernel.reduce_f32(np.ascontiguousarray(x3), centre(bounds), histogram)
+        if bounds is not None:
+            st["sat_counts"] = sat_counts(x3, bounds)
     else:
-        st = _stats(x3, c, histogram)
+        st = reference(x3, 1, bounds=bounds, histogram=histogram)
     return Reading.from_stats(st, shape=np.shape(x), unit_axis=unit_axis, per_unit=per_unit, layer=layer,
                               kind=kind, stream=stream, dtype=dtype, bounds=bounds, param=param)
 
@@ -145,11 +185,16 @@ def view3(x, unit_axis: int | None, layer: str = "?") -> np.ndarray:
     return xw.reshape(math.prod(xw.shape[:unit_axis]), xw.shape[unit_axis], -1)
 
 
-def reference(x, unit_axis: int | None = None, *, centre: float = 0.0, histogram: bool = True) -> dict:
+def reference(x, unit_axis: int | None = None, *, bounds: tuple[float, float] | None = None,
+              histogram: bool = True) -> dict:
     """The per-unit statistics of spec §Columns with numpy alone, named as the columns: the oracle
-    every backend (C kernel, torch, ONNX Runtime) is tested against. `centre` is the point
-    `unit_min_dev` is measured from (`centre(bounds)`)."""
-    return _stats(view3(x, unit_axis), centre, histogram)
+    every backend (C kernel, torch, ONNX Runtime) is tested against. `bounds` (a bounded kind's)
+    set the centre of `unit_min_dev` and add `sat_counts`."""
+    x3 = view3(x, unit_axis)
+    st = _stats(x3, centre(bounds), histogram)
+    if bounds is not None:
+        st["sat_counts"] = sat_counts(x3, bounds)
+    return st
 
 
 def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:

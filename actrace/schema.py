@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SPEC_VERSION = "1.0"
+SPEC_VERSION = "1.1"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
 
 STREAMS = ("activation", "activation_grad", "param_grad", "param")
@@ -41,6 +41,12 @@ KIND_BOUNDS: dict[str, tuple[float, float] | None] = {
     "other": None,
 }
 KINDS = tuple(KIND_BOUNDS)
+# The bound(s) at which a bounded kind saturates (spec §Layer kinds): where its slope vanishes.
+# ReLU6's zeros are sparsity or death; a softmax saturates only at a probability near 1.
+SATURATING_SIDES = {kind: ("hi",) if kind in ("relu6", "softmax") else ("lo", "hi")
+                    for kind, bounds in KIND_BOUNDS.items() if bounds is not None or kind == "clip"}
+# The thresholds t at which `sat_counts` counts values near each bound (spec §Columns).
+SAT_LEVELS = (0.9, 0.99, 0.999)
 RECTIFIED_KINDS = frozenset({"relu", "relu6", "clip"})
 
 _f64_list = pa.list_(pa.float64())
@@ -84,10 +90,12 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("unit_max", _f32_list, True, "max"),
     ("unit_min_dev", _f32_list, True, "min"),
     ("hist", _i64_list, True, "sum"),
+    ("sat_counts", _i64_list, True, "sum"),  # 1.1
 ]
 UNIT_COLUMNS = tuple(name for name, *_ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null, _ in COLUMNS])
-REQUIRED = frozenset(name for name, *_ in COLUMNS)
+ADDED_IN_1_1 = frozenset({"sat_counts"})  # absent from 1.0 files: read as null
+REQUIRED = frozenset(name for name, *_ in COLUMNS) - ADDED_IN_1_1
 MERGE = {name: rule for name, _, _, rule in COLUMNS}
 
 def bounds_for(kind: str, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:

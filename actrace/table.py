@@ -34,7 +34,7 @@ def readings_to_table(rows: list[tuple[Reading, dict]]) -> pa.Table:
     cols["shape"] = [list(r.shape) for r, _ in rows]
     cols["bound_lo"] = [None if r.bounds is None else r.bounds[0] for r, _ in rows]
     cols["bound_hi"] = [None if r.bounds is None else r.bounds[1] for r, _ in rows]
-    for name in UNIT_COLUMNS + ("hist",):
+    for name in UNIT_COLUMNS + ("hist", "sat_counts"):
         cols[name] = _list_array([getattr(r, name) for r, _ in rows], SCHEMA.field(name).type)
     return pa.table({f.name: (cols[f.name] if isinstance(cols[f.name], pa.Array)
                               else pa.array(cols[f.name], type=f.type)) for f in SCHEMA}, schema=SCHEMA)

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from .bins import N_BINS
 from . import metadata
 from .reader import TraceError, part_files, trace_sources
-from .schema import KIND_BOUNDS, KINDS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
+from .schema import ADDED_IN_1_1, KIND_BOUNDS, KINDS, SAT_LEVELS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
 
 MAX_ROWS_PER_CHECK = 5
 
@@ -59,7 +59,9 @@ def validate_file(path: Path) -> list[Problem]:
         return [Problem(str(path), f"not a readable Parquet file (truncated or corrupt?): {exc}")]
     problems: list[Problem] = []
     for field in SCHEMA:
-        if field.name not in table.column_names:
+        if field.name not in table.column_names and field.name in ADDED_IN_1_1 and _minor(version) < 1:
+            table = table.append_column(field, pa.nulls(len(table), field.type))  # a 1.0 file: null
+        elif field.name not in table.column_names:
             problems.append(Problem(str(path), "required column is missing", None, field.name))
         elif not table.schema.field(field.name).type.equals(field.type):
             got = table.schema.field(field.name).type
@@ -104,6 +106,7 @@ def _check_values(problems: list[Problem], path: Path, t: pa.Table, newer_minor:
                 "zero_count must lie between 0 and the finite count")
     _check_rows(problems, path, _np(t, "min", np.nan) > _np(t, "max", np.nan), "min", "min exceeds max")
     _check_rows(problems, path, _np(t, "sumsq", 0.0) < 0, "sumsq", "sum of squares is negative")
+    _check_duplicates(problems, path, t)
     present = [c for c in UNIT_COLUMNS if t[c].null_count < len(t)]
     all_null = np.ones(len(t), dtype=bool)
     any_null = np.zeros(len(t), dtype=bool)
@@ -142,6 +145,36 @@ def _check_values(problems: list[Problem], path: Path, t: pa.Table, newer_minor:
         sub = t.filter(pa.array(has_hist))
         _check_rows(problems, path, _scatter(has_hist, _sum_lists(sub["hist"]) != (count - nan)[has_hist]),
                     "hist", "histogram counts do not add up to count - nan_count")
+
+
+    _check_sat_counts(problems, path, t, count - nan)
+
+
+def _check_duplicates(problems: list[Problem], path: Path, t: pa.Table) -> None:
+    """At most one row per (run, layer, stream, param, step)."""
+    keys = ("run", "layer", "stream", "param", "step")
+    seen: dict[tuple, int] = {}
+    dup = np.zeros(len(t), dtype=bool)
+    for row, key in enumerate(zip(*(t[k].to_pylist() for k in keys))):
+        if key in seen:
+            dup[row] = True
+        seen.setdefault(key, row)
+    _check_rows(problems, path, dup, "step", "a second reading of one (run, layer, stream, param, step)")
+
+
+def _check_sat_counts(problems: list[Problem], path: Path, t: pa.Table, non_nan: np.ndarray) -> None:
+    n = 2 * len(SAT_LEVELS)
+    lengths = pc.list_value_length(t["sat_counts"]).fill_null(-1).to_numpy(zero_copy_only=False)
+    _check_rows(problems, path, (lengths >= 0) & (lengths != n), "sat_counts", f"must have exactly {n} counts")
+    has = lengths == n
+    if has.any() and not problems:
+        c = np.asarray(pc.list_flatten(t.filter(pa.array(has))["sat_counts"]).to_numpy(zero_copy_only=False)
+                       ).reshape(-1, n)
+        inward = np.concatenate([c[:, : n // 2], c[:, n // 2:][:, ::-1]], axis=1)  # outermost first, per side
+        bad = (np.diff(inward[:, : n // 2]) < 0).any(1) | (np.diff(inward[:, n // 2:]) < 0).any(1) | \
+              (c < 0).any(1) | (c > non_nan[has, None]).any(1)
+        _check_rows(problems, path, _scatter(has, bad), "sat_counts",
+                    "counts must grow from the outermost threshold inwards and stay within count - nan_count")
 
 
 def _starts(col) -> np.ndarray:

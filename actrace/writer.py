@@ -67,6 +67,7 @@ class Writer:
         self._rows: list[tuple[Reading, dict]] = []
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
+        self._last_step: dict[tuple[str, str, str | None], int] = {}
         self._n_parts = 0
         self._last_flush = time.monotonic()
         self.readings_written = 0
@@ -91,6 +92,14 @@ class Writer:
         """Buffer one reading taken at `step`; flushes when the buffer or the clock says so."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
+        key = (reading.layer, reading.stream, reading.param)
+        last = self._last_step.get(key)
+        if last is not None and int(step) <= last:
+            what = f"layer {reading.layer!r}, stream {reading.stream!r}" + (f", param {reading.param!r}" if reading.param else "")
+            raise ValueError(f"{self.path}: step {step} for {what} is not after step {last}, already recorded; "
+                             "a trace holds one reading per step (spec §Validity): pass a step that keeps growing "
+                             "(e.g. epoch * steps_per_epoch + i), not one that restarts each epoch")
+        self._last_step[key] = int(step)
         if layer_index is None:
             layer_index = self._layer_index.setdefault(reading.layer, len(self._layer_index))
         context = dict(run=self.run, step=int(step), layer_index=int(layer_index),

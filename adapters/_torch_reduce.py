@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from actrace import bins, kernel
-from actrace.reduce import Reading, ReductionError, centre, combine, reference
+from actrace.reduce import Reading, ReductionError, centre, combine, reference, sat_counts
 from actrace.schema import MERGE, bounds_for
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
@@ -124,6 +124,8 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         relu = st.pop("relu")
         pending.stats = {k: v for k, v in st.items() if v is not None}
         pending.stats["shape"] = np.array([shape0])
+        if bounds is not None and per_unit:
+            pending.stats["sat_counts"] = sat_counts(view.numpy(), bounds)
         if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
             pending.relu = _relu_stats(pending.stats, relu)
         return pending
@@ -160,6 +162,8 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         s["hist"] = torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(s["unit_zero"].sum())))
     elif histogram:
         s["hist"] = bucketize_histogram(x)
+    if bounds is not None:
+        s["sat_counts"] = sat_counts(x, bounds, torch)
     pending.stats = s
     return pending
 
@@ -168,7 +172,7 @@ def _relu_stats(stats: dict, sums: dict) -> dict:
     """relu(x)'s statistics from x's fused pass: its sums and zeros come from the kernel; min, max
     and min |h| follow from x's; values <= 0 land in zero's bin."""
     lo = np.maximum(stats["unit_min"], 0)
-    relu = {**stats, **sums, "unit_min": lo, "unit_max": np.maximum(stats["unit_max"], 0), "unit_min_dev": lo}
+    relu = {**{k: v for k, v in stats.items() if k != "sat_counts"}, **sums, "unit_min": lo, "unit_max": np.maximum(stats["unit_max"], 0), "unit_min_dev": lo}
     if "hist" in stats:
         hist = relu["hist"] = stats["hist"].copy()
         hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
@@ -190,7 +194,7 @@ def _exact(p: Pending) -> dict:
     """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them), shaped
     as the torch path's."""
     x = p.source.cpu().numpy()  # float64 stays float64; narrower floats were widened to float32
-    st = reference(x, p.unit_axis if p.per_unit else None, centre=centre(p.bounds), histogram="hist" in p.stats)
+    st = reference(x, p.unit_axis if p.per_unit else None, bounds=p.bounds, histogram="hist" in p.stats)
     dev = p.stats["unit_sum"].device
     out = dict(p.stats)  # the batch extent and an update norm stay as they are
     out.update({k: torch.as_tensor(np.asarray(v), device=dev).reshape(p.stats[k].shape)

@@ -1,7 +1,8 @@
 """Findings: rules that turn metrics into "what is wrong, where, since when" (DOMAIN.md's table).
 
-Every threshold is a field of `Rules`, defaulting to the reference points of DOMAIN.md. A
-growing dead fraction ranks above a larger stable one: trend beats level.
+Every threshold is a field of `Rules`, defaulting to the reference points of DOMAIN.md. A dead
+fraction still growing over the recent readings ranks above a larger stable one: trend beats
+level. A NaN is reported where it starts: the forward pass, in forward order, then the spread.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 import polars as pl
 
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+# Within a step, the forward pass comes first: a NaN starts there and the backward spreads it.
+STREAM_ORDER = {"activation": 0, "activation_grad": 1, "param_grad": 2, "param": 3}
 
 
 @dataclass(frozen=True)
@@ -18,8 +21,9 @@ class Rules:
     """Thresholds of the findings rules (analysis options, never recorded in traces)."""
 
     max_dead: float = 0.2            # "tens of % means the layer is effectively much narrower"
-    dead_growth: float = 0.05        # rise in dead fraction, first to last reading, that counts as growing
+    dead_growth: float = 0.05        # rise in dead fraction over the recent half of the readings: still growing
     max_saturation: float = 0.3      # "over 30 % suggests init or learning-rate trouble"
+    max_saturation_units: float = 0.1  # share of units pinned for every input of the probe
     saturation_spike: float = 0.2    # jump between two consecutive readings
     mean_drift_sigmas: float = 2.0   # |mean| > k·std for unbounded, non-rectified layers
     collapse_ratio: float = 1e-2     # std fell below this share of its first reading
@@ -39,6 +43,7 @@ class Finding:
     evidence: str
     advice: str
     score: float = 0.0
+    stream: str = "activation"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +54,8 @@ ADVICE = {
     "dead_growing": "something keeps killing units: lower the LR, use leaky ReLU, check init variance",
     "dead_high": "a fixed capacity tax: weigh it against the validation metric; leaky ReLU or better init",
     "saturation_high": "activations hit their bounds: lower the LR or re-initialize this layer",
+    "units_pinned": "units stuck at a bound for every input carry no information: lower the LR, re-initialize "
+                    "this layer, or normalize its input",
     "saturation_spike": "activations jumped to their bounds: lower the LR around this step",
     "mean_drift": "the next layer gets biased inputs: check normalization and biases",
     "variance_collapse": "all outputs alike (representation collapse): check the loss design, overfitting",
@@ -61,8 +68,26 @@ ADVICE = {
 }
 
 
-def _finding(severity, rule, run, layer, step, evidence, score=0.0) -> Finding:
-    return Finding(severity, rule, run, layer, int(step), evidence, ADVICE[rule], float(score))
+def _finding(severity, rule, run, layer, step, evidence, score=0.0, stream="activation") -> Finding:
+    return Finding(severity, rule, run, layer, int(step), evidence, ADVICE[rule], float(score), stream)
+
+
+def recent_rise(steps: np.ndarray, values: np.ndarray) -> tuple[float, int]:
+    """How much `values` rose over the recent half of the readings (the last three at least), and
+    the step that half starts at: the median of the pairwise slopes there (Theil–Sen, robust to
+    one odd reading) times its span of steps."""
+    start = len(values) // 2 if len(values) >= 6 else max(len(values) - 3, 0)
+    s, v = steps[start:].astype(np.float64), values[start:]
+    i, j = np.triu_indices(len(v), 1)
+    if len(v) < 3:
+        return 0.0, int(steps[start])
+    return float(np.median((v[j] - v[i]) / np.maximum(s[j] - s[i], 1e-12)) * (s[-1] - s[0])), int(steps[start])
+
+
+def stable_since(steps: np.ndarray, values: np.ndarray, tolerance: float) -> int:
+    """The first step from which `values` stays within `tolerance` of its last value."""
+    off = np.nonzero(np.abs(values - values[-1]) > tolerance)[0]
+    return int(steps[off[-1] + 1] if len(off) else steps[0])
 
 
 def _per_layer(m: pl.DataFrame, stream: str):
@@ -76,18 +101,19 @@ def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
     for run, layer, g in _per_layer(m, "activation"):
         steps = g["step"].to_numpy()
         dead = g["dead_fraction"].fill_null(np.nan).to_numpy()
-        if len(dead) and not np.isnan(dead[-1]):
-            growth = dead[-1] - dead[0]
-            if len(dead) >= 3 and growth >= r.dead_growth and np.polyfit(steps, dead, 1)[0] > 0:
-                start = steps[np.argmax(dead > dead[0] + growth / 2)]
+        known = ~np.isnan(dead)
+        if known.sum() and known[-1]:
+            d, s = dead[known], steps[known]
+            rise, start = recent_rise(s, d)
+            if rise >= r.dead_growth:
                 out.append(_finding("critical", "dead_growing", run, layer, start,
-                                    f"dead fraction grew from {dead[0]:.0%} to {dead[-1]:.0%} "
-                                    f"(step {steps[0]} → {steps[-1]})", 1 + growth))
-            elif dead[-1] > r.max_dead:
-                start = steps[np.argmax(dead > r.max_dead)]
-                out.append(_finding("warning", "dead_high", run, layer, start,
-                                    f"{dead[-1]:.0%} of units dead at step {steps[-1]}, "
-                                    f"above {r.max_dead:.0%} since step {start}", dead[-1]))
+                                    f"dead fraction still rising: {d[0]:.0%} at step {s[0]}, {d[-1]:.0%} at step "
+                                    f"{s[-1]}, +{rise:.0%} over the recent readings", 1 + rise))
+            elif d[-1] > r.max_dead:
+                since = stable_since(s, d, r.dead_growth / 2)
+                out.append(_finding("warning", "dead_high", run, layer, since,
+                                    f"{d[-1]:.0%} of units dead at step {s[-1]}, stable since step {since}",
+                                    d[-1]))
         sat = g["saturation_value"].fill_null(np.nan).to_numpy()
         if len(sat) and not np.isnan(sat).all():
             jumps = np.diff(sat)
@@ -101,6 +127,12 @@ def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                 out.append(_finding("warning", "saturation_high", run, layer, start,
                                     f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
                                     f"{steps[-1]}", sat[-1]))
+        pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
+        if len(pinned) and pinned[-1] > r.max_saturation_units:
+            start = steps[np.argmax(pinned > r.max_saturation_units)]
+            out.append(_finding("warning", "units_pinned", run, layer, start,
+                                f"{pinned[-1]:.0%} of units pinned at a bound for every probe input at step "
+                                f"{steps[-1]}, above {r.max_saturation_units:.0%} since step {start}", pinned[-1]))
         clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
         std = g["std"].fill_null(np.nan).to_numpy()[clean]
         mean = g["mean"].fill_null(np.nan).to_numpy()[clean]
@@ -139,7 +171,7 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                     out.append(_finding("critical", "vanishing_gradients", run, layer, step,
                                         f"gradient norm {norms.get(layer, 0):.2g} at {layer} vs "
                                         f"{norms.get(last_layer, 0):.2g} at {last_layer} "
-                                        f"({ratio:.0e}× decay towards the input)", np.log10(max(ratio, 1))))
+                                        f"({ratio:.0e}× decay towards the input)", np.log10(max(ratio, 1)), "param_grad"))
                     break
         exploded = []  # (step, layer, norm, median): one finding per run, naming every layer
         for (layer,), s in g.group_by(["layer"], maintain_order=True):
@@ -157,19 +189,24 @@ def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
             out.append(_finding("critical", "exploding_gradients", run, layer, step,
                                 f"gradient norm rose to {norm:.3g} from a median of {median:.3g} before step "
                                 f"{step}" + (f"; also in {', '.join(others)}" if others else ""),
-                                np.log10(norm / max(median, 1e-30))))
+                                np.log10(norm / max(median, 1e-30)), "param_grad"))
     return out
 
 
 def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
     out = []
-    bad = m.filter((pl.col("nan_count") > 0) | (pl.col("inf_count") > 0))
-    for (run,), g in bad.sort("step", "layer_index").group_by(["run"], maintain_order=True):
+    bad = m.filter((pl.col("nan_count") > 0) | (pl.col("inf_count") > 0)).with_columns(
+        pl.col("stream").replace_strict(STREAM_ORDER, default=len(STREAM_ORDER)).alias("_order"))
+    for (run,), g in bad.sort("step", "_order", "layer_index").group_by(["run"], maintain_order=True):
         first = g.row(0, named=True)
+        grads = g.filter(pl.col("stream").is_in(["activation_grad", "param_grad"]))
+        spread = (f"; gradients non-finite from step {grads['step'][0]} ({grads['stream'][0]} of "
+                  f"{grads['layer'][0]} first)" if grads.height and first["stream"] == "activation" else "")
         out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
                             f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
-                            f"{first['nan_count']} NaN, {first['inf_count']} Inf); {g.height} readings affected",
-                            float("inf")))  # always first: nothing else in a NaN run can be trusted
+                            f"{first['nan_count']} NaN, {first['inf_count']} Inf){spread}; "
+                            f"{g.height} readings affected",
+                            float("inf"), first["stream"]))  # always first: nothing else in a NaN run can be trusted
     acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())
@@ -193,7 +230,7 @@ def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
         steps = g["step"].unique().sort()
         out.append(_finding("info", "scaler_skipped", run, g["layer"][0], steps[0],
                             f"{steps.len()} step(s) skipped by the loss scaler for non-finite gradients, "
-                            f"first at step {steps[0]}"))
+                            f"first at step {steps[0]}", 0.0, "param_grad"))
     return out
 
 

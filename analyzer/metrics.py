@@ -14,6 +14,7 @@ import polars as pl
 import pyarrow as pa
 
 from actrace import bins
+from actrace.schema import SAT_LEVELS, SATURATING_SIDES
 from actrace.reader import TraceError, read_source, trace_sources
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
@@ -22,7 +23,7 @@ METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead
 EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "mode", "probe_fingerprint"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
-         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist"]
+         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts"]
 _TOL = 1e-12
 
 
@@ -44,12 +45,18 @@ def _margin(lo, hi, t):
     return (1.0 - t) * np.maximum(np.abs(lo), np.abs(hi))
 
 
-def saturated_bins(lo: float, hi: float, t: float) -> np.ndarray:
-    """0/1 per histogram bin: 1 where the whole bin lies in the saturated region."""
+def upper_only(kind) -> bool:
+    """Whether a kind saturates at its upper bound only (ReLU6, softmax: spec §Layer kinds)."""
+    return SATURATING_SIDES.get(kind) == ("hi",)
+
+
+def saturated_bins(lo: float, hi: float, t: float, upper: bool = False) -> np.ndarray:
+    """0/1 per histogram bin: 1 where the whole bin lies in the saturated region of a saturating
+    side (the upper one only when `upper`)."""
     b_lo, b_hi = bins.bin_bounds()
     m = _margin(lo, hi, t)
     tol = _TOL * max(abs(lo), abs(hi), 1.0)
-    return ((b_lo >= hi - m - tol) | (b_hi <= lo + m + tol)).astype(np.int64)
+    return ((b_lo >= hi - m - tol) | (~upper & (b_hi <= lo + m + tol))).astype(np.int64)
 
 
 def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -68,7 +75,8 @@ def _count_per_row(mask: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> n
 
 
 def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
-    """Per row: units dead at ε (max |h| <= ε) and units pinned at threshold t (spec §Metrics).
+    """Per row: units dead at ε (max |h| <= ε) and units pinned at threshold t on the kind's
+    saturating side(s) (spec §Metrics).
 
     Computed on the flattened per-unit lists in one numpy pass each, which is what makes many
     traces fast to analyze; a NaN unit is neither dead nor pinned.
@@ -82,7 +90,11 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
         b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
         need = (b_hi - b_lo) / 2 - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
         lengths = np.diff(np.append(dev_starts, len(dev)))
-        pinned = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
+        both = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
+        near_hi = b_hi - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
+        upper = _count_per_row(lo >= np.repeat(near_hi, np.diff(np.append(starts, len(lo)))), starts,
+                               nulls | np.isnan(near_hi))
+        pinned = np.where([upper_only(k) for k in table["kind"].to_pylist()], upper, both)
     pinned[np.isnan(b_lo)] = np.nan
     return {"dead_units": dead, "pinned_units": pinned}
 
@@ -97,14 +109,21 @@ def sparsity() -> pl.Expr:
     return pl.when(finite > 0).then(pl.col("zero_count") / finite).alias("sparsity")
 
 
-def saturation_value(t: float, bound_pairs: list[tuple[float, float]]) -> pl.Expr:
-    """Share of values in the bins wholly within the saturated region (bounded kinds only)."""
+def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Expr:
+    """Share of non-NaN values near a saturating bound (bounded kinds only): exact from
+    `sat_counts` at its levels, else the bins wholly within the saturated region (spec §Metrics)."""
     expr = pl.lit(None, dtype=pl.Float64)
     non_nan = pl.col("count") - pl.col("nan_count")
-    for lo, hi in bound_pairs:
-        mask = pl.lit(pl.Series([saturated_bins(lo, hi, t).tolist()]))
+    for kind, lo, hi in bounded:
+        upper = upper_only(kind)
+        mask = pl.lit(pl.Series([saturated_bins(lo, hi, t, upper).tolist()]))
         share = (pl.col("hist") * mask).list.sum() / non_nan
-        expr = pl.when((pl.col("bound_lo") == lo) & (pl.col("bound_hi") == hi)).then(share).otherwise(expr)
+        if t in SAT_LEVELS:
+            i, n = SAT_LEVELS.index(t), len(SAT_LEVELS)
+            near = pl.col("sat_counts").list.get(n + i) + (0 if upper else pl.col("sat_counts").list.get(n - 1 - i))
+            share = pl.when(pl.col("sat_counts").is_not_null()).then(near / non_nan).otherwise(share)
+        expr = pl.when((pl.col("kind") == kind) & (pl.col("bound_lo") == lo) & (pl.col("bound_hi") == hi)
+                       ).then(share).otherwise(expr)
     return expr.alias("saturation_value")
 
 
@@ -174,7 +193,7 @@ def readings(paths, th: Thresholds) -> tuple[pl.DataFrame, list[dict]]:
 def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
     """Per (run, layer, stream, step) metrics of reduced readings, sorted for reading."""
     lf = rows.lazy()
-    bound_pairs = lf.select("bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
+    bound_pairs = lf.select("kind", "bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
     act = activation_metrics(lf, th, bound_pairs)
     par = parameter_metrics(lf)
     out = pl.concat([act, par], how="diagonal_relaxed").with_columns(

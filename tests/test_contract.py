@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from actrace import ReductionError, kernel, merge, reduce_array
-from actrace.reduce import Reading, centre, reference
+from actrace.reduce import Reading, reference
 from actrace.schema import COLUMNS, MERGE, bounds_for
 
 LAYOUTS = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
@@ -47,7 +47,7 @@ def values(case: str, shape: tuple, dtype) -> np.ndarray:
 
 def from_reference(x, axis, kind, layer="x") -> Reading:
     bounds = bounds_for(kind)
-    return Reading.from_stats(reference(x, axis, centre=centre(bounds)), shape=x.shape, unit_axis=axis,
+    return Reading.from_stats(reference(x, axis, bounds=bounds), shape=x.shape, unit_axis=axis,
                               layer=layer, kind=kind, stream="activation", dtype=str(x.dtype), bounds=bounds)
 
 
@@ -63,7 +63,7 @@ def cascade_error(x: np.ndarray, axis, square: bool) -> np.ndarray:
 def assert_same(got: Reading, want: Reading, x: np.ndarray, axis) -> None:
     for name in ("shape", "units", "unit_axis", "count", "nan_count", "inf_count", "zero_count"):
         assert getattr(got, name) == getattr(want, name), name
-    for name in ("unit_count", "unit_zero", "hist", "unit_min", "unit_max", "unit_min_dev"):
+    for name in ("unit_count", "unit_zero", "hist", "sat_counts", "unit_min", "unit_max", "unit_min_dev"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     np.testing.assert_array_equal([got.min, got.max], [want.min, want.max])
     for name, square in (("unit_sum", False), ("unit_sumsq", True)):
@@ -191,7 +191,7 @@ def test_the_large_layouts_are_cut_among_threads(layout):
 def test_the_reference_gives_the_values_planted_in_it():
     """The oracle itself, by construction: NaN, ±inf, zeros and extremes where they were put."""
     x = np.array([[0.0, 2.0, np.nan], [0.0, 0.5, np.nan], [np.inf, -1e-40, np.nan], [-3.0, 3e19, np.nan]])
-    st = reference(x, 1, centre=0.5)
+    st = reference(x, 1, bounds=(0.0, 1.0))
     assert (st["nan_count"], st["inf_count"]) == (4, 1)
     assert st["unit_count"].tolist() == [3, 4, 0] and st["unit_zero"].tolist() == [2, 0, 0]
     assert st["unit_sum"][:2].tolist() == [-3.0, 2.5 - 1e-40 + 3e19]
