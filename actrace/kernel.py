@@ -132,6 +132,8 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
     """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
     and large tensors cut in pieces, are shared among the threads."""
+    if not tasks:
+        return []
     if not _gomp:  # PyTorch, where it is used, is loaded by the first call
         _gomp.append(_openmp())
     threads = _gomp[0][1]() if _gomp[0] else 2

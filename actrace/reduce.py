@@ -123,14 +123,20 @@ def centre(bounds: tuple[float, float] | None) -> float:
     return 0.0 if bounds is None else (bounds[0] + bounds[1]) / 2.0
 
 
+def check_reducible(floating: bool, dtype, shape: tuple, layer: str) -> None:
+    """Refuse what spec §Numerics says must not be recorded, naming the layer: a tensor that is
+    not floating point, or an empty one."""
+    if not floating:
+        raise ReductionError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
+    if math.prod(shape) == 0:
+        raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(shape)}")
+
+
 def _as_float(x, layer: str) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 is not a numpy float kind
         x = x.astype(np.float32)
-    if x.dtype.kind != "f":
-        raise ReductionError(f"layer {layer!r}: cannot reduce a {x.dtype} tensor, only floating point")
-    if x.size == 0:
-        raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {x.shape}")
+    check_reducible(x.dtype.kind == "f", x.dtype, x.shape, layer)
     return x.astype(np.float32) if x.dtype.itemsize < 4 else x
 
 
@@ -158,19 +164,36 @@ def reduce_array(x, unit_axis: int | None, kind: str, *, layer: str = "?", strea
                  bounds: tuple[float, float] | None = None, param: str | None = None,
                  per_unit: bool = True, histogram: bool = True) -> Reading:
     """Reduce `x` over every axis but `unit_axis` (None: the whole tensor is one unit)."""
-    if stream not in STREAMS:
-        raise ReductionError(f"layer {layer!r}: unknown stream {stream!r}; expected one of {STREAMS}")
-    dtype = str(np.asarray(x).dtype)
-    bounds = bounds_for(kind, bounds)
-    x3 = view3(x, unit_axis, layer)
-    if kernel.available and x3.dtype == np.float32:
-        st = kernel.reduce_f32(np.ascontiguousarray(x3), centre(bounds), histogram)
-        if bounds is not None:
-            st["sat_counts"] = sat_counts(x3, bounds)
-    else:
-        st = reference(x3, 1, bounds=bounds, histogram=histogram)
-    return Reading.from_stats(st, shape=np.shape(x), unit_axis=unit_axis, per_unit=per_unit, layer=layer,
-                              kind=kind, stream=stream, dtype=dtype, bounds=bounds, param=param)
+    return reduce_arrays([(x, unit_axis, kind, dict(layer=layer, stream=stream, bounds=bounds, param=param,
+                                                    per_unit=per_unit, histogram=histogram))])[0]
+
+
+def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
+    """`reduce_array(x, unit_axis, kind, **options)` of each (x, unit_axis, kind, options), the
+    float32 ones in one kernel batch shared among all threads."""
+    jobs = []
+    for x, unit_axis, kind, opt in tensors:
+        layer, stream = opt.get("layer", "?"), opt.get("stream", "activation")
+        if stream not in STREAMS:
+            raise ReductionError(f"layer {layer!r}: unknown stream {stream!r}; expected one of {STREAMS}")
+        bounds = bounds_for(kind, opt.get("bounds"))
+        x3 = view3(x, unit_axis, layer)
+        meta = dict(shape=np.shape(x), unit_axis=unit_axis, per_unit=opt.get("per_unit", True), layer=layer,
+                    kind=kind, stream=stream, dtype=str(np.asarray(x).dtype), bounds=bounds, param=opt.get("param"))
+        jobs.append((x3, bounds, opt.get("histogram", True), meta))
+    fused = [i for i, job in enumerate(jobs) if kernel.available and job[0].dtype == np.float32]
+    stats = dict(zip(fused, kernel.reduce_many([(np.ascontiguousarray(jobs[i][0]), centre(jobs[i][1]), jobs[i][2],
+                                                 False) for i in fused])))
+    out = []
+    for i, (x3, bounds, histogram, meta) in enumerate(jobs):
+        if i in stats:
+            st = stats[i]
+            if bounds is not None:
+                st["sat_counts"] = sat_counts(x3, bounds)
+        else:
+            st = reference(x3, 1, bounds=bounds, histogram=histogram)
+        out.append(Reading.from_stats(st, **meta))
+    return out
 
 
 def view3(x, unit_axis: int | None, layer: str = "?") -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from actrace import bins, kernel
-from actrace.reduce import Reading, ReductionError, centre, combine, reference, sat_counts
+from actrace.reduce import Reading, ReductionError, centre, check_reducible, combine, reference, sat_counts
 from actrace.schema import MERGE, bounds_for
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
@@ -98,12 +98,10 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     holds no NaN or Inf: a ReLU that follows is read without a pass of its own (see `relu_of`)."""
     x = t.detach()
     dtype = str(x.dtype).removeprefix("torch.")
-    if not x.is_floating_point():
-        raise ReductionError(f"layer {layer!r}: cannot reduce a {dtype} tensor, only floating point")
+    check_reducible(x.is_floating_point(), dtype, (1,), layer)
     if x.is_nested:
         x, unit_axis = _flat_nested(x, unit_axis)
-    if x.numel() == 0:
-        raise ReductionError(f"layer {layer!r}: cannot reduce an empty tensor of shape {tuple(x.shape)}")
+    check_reducible(True, dtype, tuple(x.shape), layer)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     bounds = bounds_for(kind, bounds)

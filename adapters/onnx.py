@@ -10,7 +10,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 import actrace
 from actrace.fingerprint import fingerprint
 from actrace.reader import expand
-from actrace.reduce import merge, reduce_array
+from actrace.reduce import merge, reduce_arrays
 
 OP_KINDS = {
     "Relu": "relu", "LeakyRelu": "leaky_relu", "PRelu": "prelu", "Elu": "elu", "Celu": "elu", "Selu": "selu",
@@ -173,13 +172,8 @@ def _chunks(session, feeds: dict, chunk: int, path: Path):
         yield {k: v[start: start + chunk] for k, v in feeds.items()}
 
 
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actrace-onnx")
-
-
-def _reduce(job):
-    t, value = job
-    axis = 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
-    return reduce_array(value, axis, t["kind"], layer=t["layer"], bounds=t["bounds"])
+def _unit_axis(value: np.ndarray, t: dict) -> int | None:
+    return 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
 
 
 class Checkpoint:
@@ -203,7 +197,9 @@ class Checkpoint:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
             jobs = [(t, np.asarray(v)) for t, v in zip(self.tensors, outputs)]
             jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
-            for (t, _), r in zip(jobs, _pool.map(_reduce, jobs)):  # numpy releases the GIL: two cores
+            readings = reduce_arrays([(v, _unit_axis(v, t), t["kind"], dict(layer=t["layer"], bounds=t["bounds"]))
+                                      for t, v in jobs])  # one kernel batch on every thread
+            for (t, _), r in zip(jobs, readings):
                 merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
         return list(merged.values())
 
