@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .reader import TraceError
 
@@ -13,6 +14,7 @@ EXAMPLES = """examples:
   actrace record -o runs/a.parquet -- python train.py   # a script using actrace.adapters.torch.Monitor
   actrace report runs/*.parquet -o report.html --baseline a
   actrace summary runs/ --format csv > metrics.csv
+  actrace findings runs/*.parquet --format json -o findings.json
   actrace check runs/*.parquet --max-dead 0.2 --no-nan
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
@@ -31,7 +33,8 @@ def analysis(args):
     from .analyzer.metrics import Thresholds
 
     th = Thresholds(args.dead_eps, args.sat_threshold)
-    rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation") if getattr(args, k, None) is not None})
+    rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation", "max_saturation_units")
+                     if getattr(args, k, None) is not None})
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, rules, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x)
     if a.metrics.is_empty():
@@ -44,13 +47,7 @@ def cmd_summary(args) -> int:
 
     a = analysis(args)
     if args.format != "text":
-        text = machine_metrics(a.metrics, args.format)
-        if args.output:
-            with open(args.output, "w") as f:
-                f.write(text)
-            progress(f"wrote {a.metrics.height} metric rows to {args.output}")
-        else:
-            sys.stdout.write(text)
+        emit(machine_metrics(a.metrics, args.format), args.output, f"{a.metrics.height} metric rows")
         return 0
     progress("comparing runs")
     compared = a.compared(args.baseline)
@@ -74,12 +71,32 @@ def cmd_report(args) -> int:
     return 0
 
 
+def emit(text: str, output: str | None, what: str) -> None:
+    """Write machine output to a file (saying so) or to stdout."""
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+        progress(f"wrote {what} to {output}")
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_findings(args) -> int:
+    from .analyzer.summary import format_findings, machine_findings
+
+    a = analysis(args)
+    found = a.findings
+    emit(format_findings(found) + "\n" if args.format == "text" else machine_findings(found, args.format),
+         args.output, f"{len(found)} findings")
+    return 0
+
+
 def cmd_check(args) -> int:
     from .analyzer.check import violations
 
     a = analysis(args)
     bad = violations(a.metrics, a.findings, max_dead=args.max_dead, max_saturation=args.max_saturation,
-                     no_nan=args.no_nan, min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm,
+                     max_saturation_units=args.max_saturation_units, no_nan=args.no_nan, min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm,
                      fail_on=args.fail_on)
     for line in bad:
         print(line)
@@ -240,9 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "csv"], default="text",
                    help="json/csv: per-(run, layer, step) metrics for machines")
     p.add_argument("-o", "--output", help="write json/csv here instead of stdout")
+    p = analyzer_command("findings", "findings only: text, or JSON/CSV records for CI jobs and notebooks",
+                         cmd_findings)
+    p.add_argument("--format", choices=["text", "json", "csv"], default="text",
+                   help="json/csv: one record per finding (severity, rule, run, layer, stream, step, evidence, "
+                        "advice, score)")
+    p.add_argument("-o", "--output", help="write here instead of stdout")
     p = analyzer_command("check", "CI gate: print violations, exit 1 if any", cmd_check)
     p.add_argument("--max-dead", type=float, metavar="F", help="fail when a layer's dead fraction exceeds F")
-    p.add_argument("--max-saturation", type=float, metavar="F", help="fail when a layer's saturation exceeds F")
+    p.add_argument("--max-saturation", type=float, metavar="F",
+                   help="fail when a layer's saturated share of values exceeds F")
+    p.add_argument("--max-saturation-units", type=float, metavar="F",
+                   help="fail when a layer's share of units pinned at a bound for every input exceeds F")
     p.add_argument("--no-nan", action="store_true", help="fail on any NaN or Inf")
     p.add_argument("--min-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm is below G")
     p.add_argument("--max-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm exceeds G")
@@ -259,6 +285,7 @@ def main(argv=None) -> int:
         argv, command_line = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
     args.command_line = command_line
+    warnings.formatwarning = lambda message, *_, **__: f"actrace: warning: {message}\n"
     try:
         return args.func(args)
     except (TraceError, FileExistsError, FileNotFoundError, ValueError) as exc:

@@ -94,6 +94,7 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
 ]
 UNIT_COLUMNS = tuple(name for name, *_ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null, _ in COLUMNS])
+READING_KEY = ("run", "layer", "stream", "param", "step")  # at most one row each (spec §Validity)
 ADDED_IN_1_1 = frozenset({"sat_counts"})  # absent from 1.0 files: read as null
 REQUIRED = frozenset(name for name, *_ in COLUMNS) - ADDED_IN_1_1
 MERGE = {name: rule for name, _, _, rule in COLUMNS}

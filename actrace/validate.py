@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from .bins import N_BINS
 from . import metadata
 from .reader import TraceError, part_files, trace_sources
-from .schema import ADDED_IN_1_1, KIND_BOUNDS, KINDS, SAT_LEVELS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
+from .schema import ADDED_IN_1_1, READING_KEY, KIND_BOUNDS, KINDS, SAT_LEVELS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
 
 MAX_ROWS_PER_CHECK = 5
 
@@ -152,10 +152,9 @@ def _check_values(problems: list[Problem], path: Path, t: pa.Table, newer_minor:
 
 def _check_duplicates(problems: list[Problem], path: Path, t: pa.Table) -> None:
     """At most one row per (run, layer, stream, param, step)."""
-    keys = ("run", "layer", "stream", "param", "step")
     seen: dict[tuple, int] = {}
     dup = np.zeros(len(t), dtype=bool)
-    for row, key in enumerate(zip(*(t[k].to_pylist() for k in keys))):
+    for row, key in enumerate(zip(*(t[k].to_pylist() for k in READING_KEY))):
         if key in seen:
             dup[row] = True
         seen.setdefault(key, row)

@@ -205,8 +205,7 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
         out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
                             f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
                             f"{first['nan_count']} NaN, {first['inf_count']} Inf){spread}; "
-                            f"{g.height} readings affected",
-                            float("inf"), first["stream"]))  # always first: nothing else in a NaN run can be trusted
+                            f"{g.height} readings affected", g.height, first["stream"]))
     acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())
@@ -240,7 +239,8 @@ def findings(m: pl.DataFrame, rules: Rules = Rules()) -> list[Finding]:
     found = _skipped_findings(m.filter(skipped))
     m = m.filter(~skipped)
     found += _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
-    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], -f.score, f.run, f.layer))
+    # a NaN first: nothing else in a NaN run can be trusted
+    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
 
 
 @dataclass

@@ -6,6 +6,7 @@ counts as each trace is read, so many runs fit in bounded memory.
 """
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,14 +15,14 @@ import polars as pl
 import pyarrow as pa
 
 from actrace import bins
-from actrace.schema import SAT_LEVELS, SATURATING_SIDES
+from actrace.schema import READING_KEY, SAT_LEVELS, SATURATING_SIDES
 from actrace.reader import TraceError, read_source, trace_sources
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
 EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "mode", "probe_fingerprint"]
-_READ = ["run", "step", "layer", "layer_index", "kind", "stream", "units", "bound_lo", "bound_hi", "mode",
+_READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
          "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts"]
 _TOL = 1e-12
@@ -173,9 +174,15 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     table, meta = read_source(source, _READ)
     counts = unit_counts(table, th)
     table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
-    return pl.from_arrow(table).with_columns(
+    df = pl.from_arrow(table).with_columns(
         pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
-        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True)), dict(meta, file=str(source))
+        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True))
+    unique = df.unique(subset=list(READING_KEY), keep="last", maintain_order=True)
+    if unique.height < df.height:  # spec §Validity: one reading per key; the last written stands
+        warnings.warn(f"{source}: {df.height - unique.height} reading(s) repeat a (run, layer, stream, param, "
+                      f"step) already in the trace (steps restarting each epoch?); the last of each is kept",
+                      stacklevel=2)
+    return unique, dict(meta, file=str(source))
 
 
 def readings(paths, th: Thresholds) -> tuple[pl.DataFrame, list[dict]]:

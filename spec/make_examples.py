@@ -23,7 +23,9 @@ THRESHOLDS = {"dead_eps": [0.0, 0.1], "sat_threshold": [0.9, 0.99]}
 
 def layers(step: int, rng: np.random.Generator) -> dict:
     """(tensor, unit_axis, kind, bounds) per layer: 4 of 16 ReLU units killed, 3 of 8 tanh units
-    pinned by a +5 bias, a sigmoid conv in NCHW whose channel 0 is pushed to 0."""
+    pinned by a +5 bias, a sigmoid conv in NCHW whose channel 0 is pushed to 0, a ReLU6 with 2 of
+    6 units pinned at 6 (and many zeros, which are not saturation), a hard-tanh(-2, 2) with 3 of 8
+    units pinned at -2 or 2, a near-uniform softmax over 200 classes (not saturated)."""
     relu_in = rng.normal(size=(32, 16))
     relu_in[:, :4] -= 100.0
     tanh_in = rng.normal(size=(32, 8)) * 0.5
@@ -34,8 +36,18 @@ def layers(step: int, rng: np.random.Generator) -> dict:
         "fc1.relu": (np.maximum(relu_in, 0).astype(np.float32), 1, "relu", None),
         "fc2.tanh": (np.tanh(tanh_in).astype(np.float32), 1, "tanh", None),
         "conv.sigmoid": ((1 / (1 + np.exp(-sig_in))).astype(np.float32), 1, "sigmoid", None),
-        "relu6": (np.clip(rng.normal(size=(32, 6)) * 4, 0, 6).astype(np.float32), 1, "clip", (0.0, 6.0)),
+        "clip": (np.clip(rng.normal(size=(32, 6)) * 4, 0, 6).astype(np.float32), 1, "clip", (0.0, 6.0)),
+        "relu6": (np.clip(rng.normal(size=(32, 6)) * 2 + np.array([14, 14, 0, 0, 0, 0]), 0, 6).astype(np.float32),
+                  1, "relu6", None),
+        "hardtanh": (np.clip(rng.normal(size=(32, 8)) + np.array([8, -8, 8, 0, 0, 0, 0, 1.5]), -2, 2
+                             ).astype(np.float32), 1, "hard_tanh", (-2.0, 2.0)),
+        "softmax": (_softmax(rng.normal(size=(32, 200)) * 0.1).astype(np.float32), 1, "softmax", None),
     }
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 EDGES = np.array([float(l) for l in (HERE.parent / "bins-v1.txt").read_text().splitlines()
@@ -53,8 +65,9 @@ def value_bins(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def expected_values(x: np.ndarray, axis: int, kind: str, bounds) -> dict:
-    """The spec's metrics computed straight from the tensor (no trace involved)."""
+def expected_values(x: np.ndarray, axis: int, kind: str, bounds, exact: bool = True) -> dict:
+    """The spec's metrics computed straight from the tensor (no trace involved); per-value
+    saturation exact (from `sat_counts`, 1.1) or from the histogram's bins (a 1.0 trace)."""
     x64 = np.moveaxis(x.astype(np.float64), axis, -1).reshape(-1, x.shape[axis])
     absmax = np.abs(x64).max(axis=0)
     out = {f"dead_fraction@{e}": float((absmax <= e).mean()) for e in THRESHOLDS["dead_eps"]}
@@ -64,14 +77,13 @@ def expected_values(x: np.ndarray, axis: int, kind: str, bounds) -> dict:
     if bounds:
         lo, hi = bounds
         c, half = (lo + hi) / 2, (hi - lo) / 2
+        both = actrace.schema.SATURATING_SIDES[kind] == ("lo", "hi")
         for t in THRESHOLDS["sat_threshold"]:
             margin = (1 - t) * max(abs(lo), abs(hi))
-            sat = np.abs(x64 - c) >= half - margin - 1e-12
+            sat = (x64 >= hi - margin) | (both & (x64 <= lo + margin))
             b_lo, b_hi = value_bins(x64)
-            sat_by_bin = (b_lo >= hi - margin - 1e-12) | (b_hi <= lo + margin + 1e-12)
-            if max(abs(lo), abs(hi)) == 1:  # the spec's exact case: bins and values agree
-                assert (sat_by_bin == sat).all()
-            out[f"saturation_value@{t}"] = float(sat_by_bin.mean())
+            sat_by_bin = (b_lo >= hi - margin - 1e-12) | (both & (b_hi <= lo + margin + 1e-12))
+            out[f"saturation_value@{t}"] = float((sat if exact else sat_by_bin).mean())
             out[f"saturation_unit@{t}"] = float(sat.all(axis=0).mean())
     return out
 
@@ -95,6 +107,20 @@ def write_valid(name: str, steps=(0, 100), nan: bool = False) -> Path:
         expected["layers"] = {"fc1.relu": {str(s): {"nan_count": 1, "inf_count": 2} for s in steps}}
     (EXPECTED / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def write_v1_0(template: Path) -> None:
+    """`valid-mlp` as a 1.0 writer made it: no `sat_counts` column, version 1.0. A 1.1 reader reads
+    it, saturation per value from the histogram."""
+    t = pq.read_table(template).drop_columns(["sat_counts"])
+    meta = {**t.schema.metadata, b"actrace:spec_version": b"1.0"}
+    pq.write_table(t.replace_schema_metadata(meta), HERE / "valid-v1_0.parquet")
+    rng = np.random.default_rng(7)
+    expected: dict = {"thresholds": THRESHOLDS, "layers": {}}
+    for step in (0, 100):
+        for layer, (x, axis, kind, bounds) in layers(step, rng).items():
+            expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds, exact=False)
+    (EXPECTED / "valid-v1_0.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
 
 
 def mutate(template: Path, name: str, change) -> None:
@@ -138,6 +164,9 @@ INVALID = {
     "hist_wrong_bin_count": set_column("hist", first_row(lambda v: v[:100])),
     "unit_counts_do_not_add_up": set_column("unit_count", first_row(lambda v: [n + 1 for n in v])),
     "count_below_nan_count": set_column("nan_count", first_row(lambda v: 1_000_000)),
+    "duplicate_reading": lambda t: pa.concat_tables([t, t.slice(0, 1)]),
+    "sat_counts_not_monotone": set_column("sat_counts", lambda c: pa.array(
+        [None if v is None else [3, 2, 1, 0, 0, 0] for v in c.to_pylist()], type=c.type)),
 }
 
 
@@ -146,6 +175,7 @@ def main() -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     template = write_valid("valid-mlp")
     write_valid("valid-nonfinite", steps=(0,), nan=True)
+    write_v1_0(template)
     for name, change in INVALID.items():
         mutate(template, name, change)
     (HERE / "invalid-truncated.parquet").write_bytes(template.read_bytes()[: template.stat().st_size // 2])

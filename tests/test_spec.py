@@ -62,6 +62,8 @@ INVALID_FAULTS = {
     "hist_wrong_bin_count": "row 0 column 'hist'",
     "unit_counts_do_not_add_up": "row 0 column 'unit_count'",
     "count_below_nan_count": "row 0 column 'count'",
+    "duplicate_reading": "column 'step': a second reading of one (run, layer, stream, param, step)",
+    "sat_counts_not_monotone": "column 'sat_counts': counts must grow",
     "truncated": "not a readable Parquet file",
     "not_parquet": "not a readable Parquet file",
 }
