@@ -1,0 +1,204 @@
+"""Spec 1.1's analysis semantics on models whose truth is known by construction: saturation on a
+kind's saturating side(s), exact for any bounds; units pinned; the NaN origin; trends over a
+window; float64 extremes; findings as data; one reading per key. Both directions each."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+import actrace
+from actrace.adapters.torch import Monitor
+from actrace.analyzer.findings import Rules, findings
+from actrace.analyzer.metrics import Thresholds, metrics
+
+
+def probe_reading(model, probe, path):
+    with Monitor(model, probe, path) as mon:
+        mon.probe_reading(0)
+    return path
+
+
+def act(path, layer, th=Thresholds()) -> dict:
+    m = metrics(path, th).filter((pl.col("stream") == "activation") & (pl.col("layer") == layer))
+    return m.row(0, named=True)
+
+
+def linear_relu6(bias: float) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU6())
+    with torch.no_grad():
+        model[0].bias.add_(bias)
+    return model
+
+
+@pytest.mark.parametrize("t", [0.99, 0.9])
+def test_relu6_zeros_are_not_saturation_but_outputs_at_six_are(tmp_path, t, cli):
+    probe = torch.randn(256, 16)
+    fresh = probe_reading(linear_relu6(0.0), probe, tmp_path / "fresh.parquet")
+    pinned = probe_reading(linear_relu6(100.0), probe, tmp_path / "pinned.parquet")
+    out = linear_relu6(0.0)(probe).detach().numpy()
+    r = act(fresh, "1", Thresholds(sat_threshold=t))
+    assert r["sparsity"] > 0.3  # plenty of zeros ...
+    assert r["saturation_value"] == pytest.approx((out >= 6 - (1 - t) * 6).mean())  # ... none of them saturation
+    assert r["saturation_value"] < 0.05
+    assert act(pinned, "1", Thresholds(sat_threshold=t))["saturation_value"] == 1.0
+    assert act(pinned, "1", Thresholds(sat_threshold=t))["saturation_unit"] == 1.0
+    args = ["--sat-threshold", str(t), "--max-saturation", "0.3"]
+    assert cli("check", fresh, *args).returncode == 0
+    res = cli("check", pinned, *args)
+    assert res.returncode == 1 and "saturated share of values 1" in res.stdout
+
+
+@pytest.mark.filterwarnings("ignore:actrace. the unit axis")  # an activation of the probe itself: one unit
+@pytest.mark.parametrize("t", [0.99, 0.9, 0.999])
+def test_hardtanh_with_other_bounds_reads_its_exact_share_at_every_level(tmp_path, t):
+    torch.manual_seed(1)
+    probe = torch.randn(512, 24) * 2.2  # about 36 % of |x| beyond 2: pinned at ±2
+    path = probe_reading(nn.Sequential(nn.Hardtanh(-2.0, 2.0)), probe, tmp_path / "h.parquet")
+    h = probe.clamp(-2, 2).double().numpy()
+    want = ((h >= 2 - (1 - t) * 2) | (h <= -2 + (1 - t) * 2)).mean()
+    assert 0.3 < want < 0.45
+    assert act(path, "0", Thresholds(sat_threshold=t))["saturation_value"] == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:actrace. the unit axis")
+def test_a_wide_near_uniform_softmax_is_not_saturated_and_a_peaked_one_is(tmp_path):
+    torch.manual_seed(2)
+    logits = torch.randn(64, 200) * 0.1
+    uniform = probe_reading(nn.Sequential(nn.Softmax(-1)), logits, tmp_path / "u.parquet")
+    peaked = probe_reading(nn.Sequential(nn.Softmax(-1)), logits * 1000, tmp_path / "p.parquet")
+    assert torch.softmax(logits, -1).max() < 0.01
+    assert act(uniform, "0")["saturation_value"] == 0.0 and act(uniform, "0")["saturation_unit"] == 0.0
+    p = torch.softmax(logits * 1000, -1).double().numpy()
+    assert act(peaked, "0")["saturation_value"] == pytest.approx((p >= 0.99).mean())
+    assert act(peaked, "0")["saturation_value"] > 0
+
+
+def tanh_with_pinned_units(n_pinned: int) -> nn.Module:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 20), nn.Tanh())
+    with torch.no_grad():
+        model[0].weight.mul_(0.1)
+        model[0].bias[:n_pinned] = 50.0  # these units sit at +1 for every input
+    return model
+
+
+def test_units_pinned_for_every_input_are_a_finding_and_a_check(tmp_path, cli):
+    probe = torch.randn(128, 8)
+    bad = probe_reading(tanh_with_pinned_units(6), probe, tmp_path / "bad.parquet")
+    good = probe_reading(tanh_with_pinned_units(0), probe, tmp_path / "good.parquet")
+    assert act(bad, "1")["saturation_unit"] == pytest.approx(6 / 20)
+    assert act(bad, "1")["saturation_value"] == pytest.approx(6 / 20)  # below max_saturation 0.3: not that rule
+    rules = {(f.rule, f.layer) for f in findings(metrics(bad))}
+    assert ("units_pinned", "1") in rules and ("saturation_high", "1") not in rules
+    assert not [f for f in findings(metrics(good)) if f.rule == "units_pinned"]
+    assert not [f for f in findings(metrics(bad), Rules(max_saturation_units=0.4)) if f.rule == "units_pinned"]
+    res = cli("check", bad, "--max-saturation-units", "0.2")
+    assert res.returncode == 1 and "share of units pinned for every input 0.3" in res.stdout
+    assert cli("check", good, "--max-saturation-units", "0.2").returncode == 0
+
+
+def test_a_nan_is_reported_at_the_forward_layer_where_it_starts(tmp_path):
+    torch.manual_seed(4)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(8, 8), nn.Tanh())])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Monitor(model, torch.randn(16, 8), tmp_path / "n.parquet", probe_every=1, grad_every=1) as mon:
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model[4].weight[0, 0] = float("inf")  # layer 4 overflows in the forward from here
+            opt.zero_grad()
+            model(torch.randn(32, 8)).square().mean().backward()
+            mon.step(step)
+            opt.step()
+    (f,) = [f for f in findings(metrics(tmp_path / "n.parquet")) if f.rule == "nan_inf"]
+    assert (f.layer, f.stream, f.step) == ("4", "activation", 3)
+    assert "gradients non-finite from step 3" in f.evidence
+    raw = actrace.read_table(tmp_path / "n.parquet").to_pylist()
+    assert any(r["step"] == 3 and r["stream"] == "param_grad" and r["layer"] == "0" and r["nan_count"] for r in raw)
+
+
+def write_dead_series(path, run, fractions, steps):
+    """A 20-unit ReLU layer whose first round(f·20) units are zero for every input, per step."""
+    rng = np.random.default_rng(0)
+    with actrace.Writer(path, run=run) as w:
+        for step, f in zip(steps, fractions):
+            x = np.abs(rng.normal(size=(64, 20))) + 0.1
+            x[:, : round(f * 20)] = 0
+            w.record_activation(step, "relu", x.astype(np.float32), kind="relu", unit_axis=1)
+
+
+@pytest.mark.parametrize("growth", [0.05, 0.1])
+def test_an_early_rise_that_stopped_is_a_stable_tax_and_a_climbing_layer_is_growing(tmp_path, growth):
+    steps = list(range(0, 1100, 100))
+    write_dead_series(tmp_path / "early.parquet", "early", [0, .3, .45] + [.45] * 8, steps)
+    write_dead_series(tmp_path / "climbing.parquet", "climbing", [0, 0, .05, .05, .1, .1, .15, .2, .25, .3, .35], steps)
+    found = findings(metrics(tmp_path), Rules(dead_growth=growth))
+    rules = [(f.rule, f.run) for f in found]
+    assert ("dead_high", "early") in rules and ("dead_growing", "early") not in rules
+    assert ("dead_growing", "climbing") in rules
+    assert rules.index(("dead_growing", "climbing")) < rules.index(("dead_high", "early"))  # trend beats level
+    early = next(f for f in found if f.run == "early")
+    assert early.step == 200 and "stable since step 200" in early.evidence
+
+
+def test_float64_extremes_below_float32_are_rounded_outward_not_to_zero(tmp_path):
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        w.record_activation(0, "tiny", np.full((8, 4), 1e-50), kind="linear", unit_axis=1)
+        w.record_activation(0, "-tiny", np.full((8, 4), -1e-50), kind="linear", unit_axis=1)
+        w.record_activation(0, "zero", np.zeros((8, 4)), kind="linear", unit_axis=1)
+    row = {r["layer"]: r for r in actrace.read_table(tmp_path / "t.parquet").to_pylist()}
+    assert all(0 <= v <= 1e-50 for v in row["tiny"]["unit_min"])  # never above the true minimum (0 here)
+    assert all(v >= 1e-50 for v in row["tiny"]["unit_max"])        # never below the true maximum (nonzero)
+    m = metrics(tmp_path / "t.parquet").filter(pl.col("stream") == "activation")
+    dead = dict(zip(m["layer"], m["dead_fraction"]))
+    assert dead == {"tiny": 0.0, "-tiny": 0.0, "zero": 1.0}
+    assert metrics(tmp_path / "t.parquet", Thresholds(dead_eps=1e-40))["dead_fraction"].to_list() == [1.0] * 3
+
+
+def test_findings_come_as_json_and_csv_records_with_the_texts_content(tmp_path, cli):
+    probe = torch.randn(128, 8)
+    probe_reading(tanh_with_pinned_units(6), probe, tmp_path / "bad.parquet")
+    res = cli("findings", tmp_path / "bad.parquet", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    records = json.loads(res.stdout)
+    assert {"severity", "rule", "run", "layer", "stream", "step", "evidence", "advice", "score"} <= set(records[0])
+    (pinned,) = [r for r in records if r["rule"] == "units_pinned"]
+    assert (pinned["layer"], pinned["stream"], pinned["severity"]) == ("1", "activation", "warning")
+    csv = cli("findings", tmp_path / "bad.parquet", "--format", "csv").stdout.splitlines()
+    assert csv[0] == "severity,rule,run,layer,stream,step,evidence,advice,score" and len(csv) == len(records) + 1
+    text = cli("findings", tmp_path / "bad.parquet").stdout
+    assert pinned["evidence"] in text
+
+
+def test_a_step_that_restarts_is_refused_by_the_writer_naming_layer_and_steps(tmp_path):
+    with actrace.Writer(tmp_path / "r.parquet", run="r") as w:
+        w.record_activation(5, "fc", np.ones((2, 3), np.float32), kind="relu")
+        w.record_param_grad(5, "fc", "weight", np.ones((3, 3), np.float32))  # another stream: fine
+        with pytest.raises(ValueError, match=r"step 0 for layer 'fc', stream 'activation' is not after step 5"):
+            w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+
+
+def test_duplicate_readings_made_elsewhere_are_reported_and_shown_once(tmp_path, cli):
+    with actrace.Writer(tmp_path / "a.parquet", run="a") as w:
+        for step in (0, 1):
+            w.record_activation(step, "fc", np.full((2, 3), step, np.float32), kind="relu")
+    t = pq.read_table(tmp_path / "a.parquet")
+    again = t.slice(0, 1)  # step 0 once more, as a hand-made merge of two traces might
+    pq.write_table(pa.concat_tables([t, again]).replace_schema_metadata(t.schema.metadata), tmp_path / "d.parquet")
+    res = cli("validate", tmp_path / "d.parquet")
+    assert res.returncode == 1 and "a second reading of one (run, layer, stream, param, step)" in res.stdout
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = metrics(tmp_path / "d.parquet")
+    assert m.height == 2 and "1 reading(s) repeat" in str(caught[0].message)
+    summary = cli("summary", tmp_path / "d.parquet")
+    assert "warning: " in summary.stderr and "repeat a (run, layer, stream, param, step)" in summary.stderr
