@@ -31,15 +31,16 @@ def test_inspect_shows_layers_steps_streams_and_size(cli):
     res = cli("inspect", EXAMPLES / "valid-mlp.parquet")
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    for text in ("spec 1.0", "run        valid-mlp", "steps      2 (from 0 to 100)",
-                 "fc2.tanh", "tanh", "8 units", "KiB", "activation 8", "0123456789abcdef"):
+    for text in ("spec 1.1", "run        valid-mlp", "steps      2 (from 0 to 100)",
+                 "fc2.tanh", "tanh", "8 units", "KiB", "activation 14", "0123456789abcdef"):
         assert text in out, text
 
 
 def test_inspect_json_is_machine_readable(cli):
     res = cli("inspect", "--json", EXAMPLES / "valid-mlp.parquet")
     d = json.loads(res.stdout)
-    assert [l["layer"] for l in d["layers"]] == ["fc1.relu", "fc2.tanh", "conv.sigmoid", "relu6"]
+    assert [l["layer"] for l in d["layers"]] == ["fc1.relu", "fc2.tanh", "conv.sigmoid", "clip", "relu6", "hardtanh",
+                                               "softmax"]
     assert d["layers"][2]["units"] == 4 and d["metadata"]["config"] == {"example": True}
     assert d["size_bytes"] == (EXAMPLES / "valid-mlp.parquet").stat().st_size
 

@@ -80,17 +80,14 @@ def numpy_reference(x, axis, kind, halves):
 
 
 def c_kernel(x, axis, kind, halves):
-    if not kernel.available:
-        pytest.skip("the compiled kernel is not built here")
-    if x.dtype == np.float64:
-        pytest.skip("the kernel reads float32 (and narrower floats, widened)")
     if halves:
         return merge(reduce_array(x[:3], axis, kind, layer="x"), reduce_array(x[3:], axis, kind, layer="x"))
     return reduce_array(x, axis, kind, layer="x")
 
 
 def _torch_reading(x, axis, kind, halves, device, relu_too=False):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from actrace.adapters import _torch_reduce as tr
 
     t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16 \
@@ -114,18 +111,13 @@ def torch_ops(x, axis, kind, halves, monkeypatch):
 def torch_fused(x, axis, kind, halves):
     from actrace.adapters import _torch_reduce as tr
 
-    if not kernel.available or x.dtype == np.float64:
-        pytest.skip("the fused path reads CPU float32 (and narrower floats, widened) with the kernel built")
     (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
     return r
 
 
 def torch_cuda(x, axis, kind, halves):
-    torch = pytest.importorskip("torch")
     from actrace.adapters import _torch_reduce as tr
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here")
     (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cuda")])
     return r
 
@@ -133,14 +125,12 @@ def torch_cuda(x, axis, kind, halves):
 def onnx_runtime(x, axis, kind, halves, tmp_path):
     """ONNX Runtime computes sigmoid(x) and the adapter reduces that intermediate tensor, over the
     probe's chunks when halved; the reference reduces the tensor ORT gives for the whole probe."""
-    onnx = pytest.importorskip("onnx")
+    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     from actrace.adapters.onnx import Checkpoint
 
-    if x.dtype not in (np.float32, np.float64) or axis is None or axis % x.ndim != x.ndim - 1 or kind != "sigmoid":
-        pytest.skip("read here: a float32/float64 Sigmoid of a graph input, whose units are its last axis")
     elem = TensorProto.FLOAT if x.dtype == np.float32 else TensorProto.DOUBLE
     dims = ["N"] + list(x.shape[1:])
     graph = helper.make_graph([helper.make_node("Sigmoid", ["x"], ["h"], name="h"),
@@ -154,23 +144,59 @@ def onnx_runtime(x, axis, kind, halves, tmp_path):
     return r, made, axis
 
 
-BACKENDS = {"numpy-reference": numpy_reference, "c-kernel": c_kernel, "torch-ops": torch_ops,
-            "torch-fused": torch_fused, "torch-cuda": torch_cuda, "onnxruntime": onnx_runtime}
+def _missing(*modules: str) -> str | None:
+    import importlib.util
+
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"{', '.join(absent)} not installed" if absent else None
 
 
-@pytest.mark.parametrize("halves", [False, True], ids=["whole", "merged-halves"])
-@pytest.mark.parametrize("kind", ["linear", "sigmoid"])
-@pytest.mark.parametrize("case", ["clean", "hard"])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("layout", LAYOUTS.keys())
-@pytest.mark.parametrize("backend", BACKENDS.keys())
+def _cuda() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device here"
+
+
+NARROW = ("float16", "bfloat16", "float32")  # the kernel reads float32, narrower floats widened
+# name: (backend, which (dtype, layout, kind) it reads, why it is absent here or None)
+BACKENDS = {
+    "numpy-reference": (numpy_reference, lambda d, lay, k: True, None),
+    "c-kernel": (c_kernel, lambda d, lay, k: d in NARROW, None if kernel.available else "kernel not built"),
+    "torch-ops": (torch_ops, lambda d, lay, k: True, _missing("torch")),
+    "torch-fused": (torch_fused, lambda d, lay, k: d in NARROW,
+                    _missing("torch") or (None if kernel.available else "kernel not built")),
+    "torch-cuda": (torch_cuda, lambda d, lay, k: True, _missing("torch") or _cuda()),
+    # a Sigmoid of a graph input: float32/float64, units on its last axis
+    "onnxruntime": (onnx_runtime, lambda d, lay, k: d in ("float32", "float64") and k == "sigmoid"
+                    and LAYOUTS[lay][1] is not None and LAYOUTS[lay][1] % len(LAYOUTS[lay][0]) == len(LAYOUTS[lay][0]) - 1,
+                    _missing("onnx", "onnxruntime")),
+}
+
+
+def combinations():
+    """Every (backend, layout, dtype, case, kind, halves) a backend reads; one skip for a backend
+    absent here, saying why."""
+    for backend, (_, reads, absent) in BACKENDS.items():
+        if absent:
+            yield pytest.param(backend, None, None, None, None, None, id=f"{backend}-absent",
+                               marks=pytest.mark.skip(reason=f"backend {backend}: {absent}"))
+            continue
+        for layout, (shape, _) in LAYOUTS.items():
+            for dtype in DTYPES:
+                for case in ("clean", "hard"):
+                    for kind in ("linear", "sigmoid"):
+                        for halves in (False, True):
+                            if reads(dtype, layout, kind) and not (halves and shape[0] < 6):
+                                yield pytest.param(backend, layout, dtype, case, kind, halves, id="-".join(
+                                    [backend, layout, dtype, case, kind, "halves" if halves else "whole"]))
+
+
+@pytest.mark.parametrize("backend,layout,dtype,case,kind,halves", list(combinations()))
 def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, case, kind, halves, monkeypatch,
                                                      tmp_path):
     shape, axis = LAYOUTS[layout]
-    if halves and shape[0] < 6:
-        pytest.skip("no batch to halve")
-    x = values(case, shape, dtype)
-    fn = BACKENDS[backend]
+    x = values(case, shape, DTYPES[dtype])
+    fn = BACKENDS[backend][0]
     extra = {"torch-ops": {"monkeypatch": monkeypatch}, "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
     got = fn(x, axis, kind, halves, **extra)
     if backend == "onnxruntime":
