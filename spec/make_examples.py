@@ -76,7 +76,6 @@ def expected_values(x: np.ndarray, axis: int, kind: str, bounds, exact: bool = T
     bounds = bounds or actrace.schema.KIND_BOUNDS[kind]
     if bounds:
         lo, hi = bounds
-        c, half = (lo + hi) / 2, (hi - lo) / 2
         both = actrace.schema.SATURATING_SIDES[kind] == ("lo", "hi")
         for t in THRESHOLDS["sat_threshold"]:
             margin = (1 - t) * max(abs(lo), abs(hi))
