@@ -111,9 +111,9 @@ def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
                                     f"{s[-1]}, +{rise:.0%} over the recent readings", 1 + rise))
             elif d[-1] > r.max_dead:
                 since = stable_since(s, d, r.dead_growth / 2)
+                trend = f"stable since step {since}" if since < s[-1] else "not rising steadily of late"
                 out.append(_finding("warning", "dead_high", run, layer, since,
-                                    f"{d[-1]:.0%} of units dead at step {s[-1]}, stable since step {since}",
-                                    d[-1]))
+                                    f"{d[-1]:.0%} of units dead at step {s[-1]}, {trend}", d[-1]))
         sat = g["saturation_value"].fill_null(np.nan).to_numpy()
         if len(sat) and not np.isnan(sat).all():
             jumps = np.diff(sat)
