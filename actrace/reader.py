@@ -61,20 +61,29 @@ def known_columns(path: Path) -> list[str]:
     return [f.name for f in SCHEMA if f.name in names]
 
 
-def read_source(source: Path, columns: list[str] | None = None) -> tuple[pa.Table, dict[str, str]]:
-    """One trace source as an Arrow table of spec columns, plus its file metadata."""
+def read_source(source: Path, columns: list[str] | None = None, *, when=None) -> tuple[pa.Table, dict[str, str]]:
+    """One trace source as an Arrow table of spec columns, plus its file metadata. `when` is
+    (names, needed): those columns are read from a file only where `needed(table of the other
+    columns)` is true, and are null elsewhere, so a reader pays for them only where they matter."""
+    lazy, needed = when or ((), None)
+    want = [c for c in SCHEMA.names if columns is None or c in columns]
     tables, meta = [], {}
     for f in part_files(source):
         meta = metadata.read(f)
-        cols = [c for c in known_columns(f) if columns is None or c in columns]
+        present = set(known_columns(f))
         try:
-            table = pq.read_table(f, columns=cols)
+            pf = pq.ParquetFile(f)
+            table = pf.read(columns=[c for c in want if c in present and c not in lazy])
+            if lazy and needed(table):
+                extra = pf.read(columns=[c for c in want if c in present and c in lazy])
+                for name in extra.column_names:
+                    table = table.append_column(extra.schema.field(name), extra[name])
         except (pa.ArrowException, OSError) as exc:
             raise TraceError(f"{f}: cannot read: {exc}") from None
-        for name in sorted(ADDED_IN_1_1 - set(table.column_names)):  # an older minor version's file
-            if columns is None or name in columns:
+        for name in want:  # not asked for here, or a column an older minor version lacks: null
+            if name not in table.column_names and (name in lazy or name in ADDED_IN_1_1):
                 table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
-        tables.append(table)
+        tables.append(table.select([c for c in want if c in table.column_names]))
     return pa.concat_tables(tables, promote_options="permissive"), meta
 
 

@@ -92,14 +92,13 @@ class Writer:
         """Buffer one reading taken at `step`; flushes when the buffer or the clock says so."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        key = (reading.layer, reading.stream, reading.param)
-        last = self._last_step.get(key)
+        last = self.last_step(reading)
         if last is not None and int(step) <= last:
             what = f"layer {reading.layer!r}, stream {reading.stream!r}" + (f", param {reading.param!r}" if reading.param else "")
             raise ValueError(f"{self.path}: step {step} for {what} is not after step {last}, already recorded; "
                              "a trace holds one reading per step (spec §Validity): pass a step that keeps growing "
                              "(e.g. epoch * steps_per_epoch + i), not one that restarts each epoch")
-        self._last_step[key] = int(step)
+        self._last_step[(reading.layer, reading.stream, reading.param)] = int(step)
         if layer_index is None:
             layer_index = self._layer_index.setdefault(reading.layer, len(self._layer_index))
         context = dict(run=self.run, step=int(step), layer_index=int(layer_index),
@@ -109,6 +108,10 @@ class Writer:
         self._rows.append((reading, context))
         if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def last_step(self, reading: Reading) -> int | None:
+        """The step of the last reading recorded for this reading's layer, stream and param."""
+        return self._last_step.get((reading.layer, reading.stream, reading.param))
 
     def record_tensor(self, step: int, layer: str, x, *, stream: str, kind: str = "other",
                       unit_axis: int | None = -1, param: str | None = None,

@@ -94,6 +94,7 @@ class Monitor:
         self._previous: dict[tuple[str, str], torch.Tensor] = {}
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
+        self._warned_again = False
         self._handles, self._grad_tracing = [], False
         if activation_grads:
             self._grad_trace = ForwardTrace(self.inner, self._hook_grad, self._wanted)
@@ -295,6 +296,14 @@ class Monitor:
     def _write(self, step: int, readings, **kw) -> int:
         if self.writer is None:
             return 0
+        again = [r for r in readings if self.writer.last_step(r) == step]
+        if again:  # a second reading of one step (a final probe_reading after step(), say): the first stands
+            if not self._warned_again:
+                warnings.warn(f"actrace: step {step} was read already ({again[0].stream} of {again[0].layer} …); "
+                              "a trace holds one reading per step, so the second reading is not recorded",
+                              stacklevel=3)
+                self._warned_again = True
+            readings = [r for r in readings if self.writer.last_step(r) != step]
         for r in readings:
             index = self.layer_index.setdefault(r.layer, len(self.layer_index))
             self.writer.record(step, r, layer_index=index, **kw)

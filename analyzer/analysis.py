@@ -1,11 +1,15 @@
-"""One analysis of a set of traces: each trace read once into metrics, findings, run metadata and
-histograms, which `summary`, `check` and `report` share; runs are aligned once, when asked."""
+"""One analysis of a set of traces: each trace read once into metrics and run metadata, from which
+findings, the runs' alignment and comparison follow when first asked; `summary`, `findings`,
+`check` and `report` share it. Histograms are read on demand (only the report draws them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import polars as pl
+
+from actrace.reader import read_source
 
 from .compare import align, compare
 from .findings import Finding, Rules, findings
@@ -16,7 +20,6 @@ from .metrics import Thresholds, from_readings, readings
 class Analysis:
     metrics: pl.DataFrame     # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more
     runs: list[dict]          # per trace, in the order given: its file metadata and `file`
-    hist: pl.DataFrame        # run, layer, step, hist of every activation reading with a histogram
     rules: Rules = Rules()
     mapping: dict | None = None
     x: str = "step"
@@ -37,6 +40,18 @@ class Analysis:
         """The metrics with `aligned` (a layer key shared across runs) and `x` (analyzer.compare)."""
         return align(self.metrics, self.mapping, self.x)
 
+    def histograms(self, pairs: list[tuple[str, str]]) -> pl.DataFrame:
+        """run, layer, step, hist of the activation readings of the chosen (run, layer) pairs."""
+        chosen = pl.DataFrame(pairs, schema=["run", "layer"], orient="row")
+        frames, runs = [], set(chosen["run"])
+        for meta in self.runs:
+            if meta.get("run_name") in runs:
+                table, _ = read_source(Path(meta["file"]), ["run", "layer", "stream", "step", "hist"])
+                frames.append(pl.from_arrow(table).filter((pl.col("stream") == "activation")
+                                                          & pl.col("hist").is_not_null())
+                              .join(chosen, on=["run", "layer"], how="semi").drop("stream"))
+        return pl.concat(frames) if frames else pl.DataFrame()
+
     def compared(self, baseline: str | None = None) -> pl.DataFrame:
         """The runs' largest differences from `baseline` (default: the first trace's run)."""
         baseline = baseline or self.baseline
@@ -51,7 +66,4 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     rows, runs = readings(paths, th)
-    m = from_readings(rows, th)
-    hist = rows.filter((pl.col("stream") == "activation") & pl.col("hist").is_not_null()).select(
-        "run", "layer", "step", "hist")
-    return Analysis(m, runs, hist, rules, mapping, x)
+    return Analysis(from_readings(rows, th), runs, rules, mapping, x)

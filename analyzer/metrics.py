@@ -169,9 +169,13 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                    ).drop("_has_update")
 
 
+_BOUNDED_ONLY = ("unit_min_dev", "hist", "sat_counts")  # read only from files with bounded layers
+
+
 def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
-    """One trace's scalar columns and histograms plus its dead and pinned unit counts; its metadata."""
-    table, meta = read_source(source, _READ)
+    """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
+    layers, what saturation needs); its metadata."""
+    table, meta = read_source(source, _READ, when=(_BOUNDED_ONLY, lambda t: t["bound_lo"].null_count < len(t)))
     counts = unit_counts(table, th)
     table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
     df = pl.from_arrow(table).with_columns(
@@ -186,7 +190,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
 
 
 def readings(paths, th: Thresholds) -> tuple[pl.DataFrame, list[dict]]:
-    """Every trace reduced to scalar rows (with histograms), and each trace's metadata, in the order
+    """Every trace reduced to scalar rows, and each trace's metadata (with its `file`), in the order
     given; two traces at a time (reading one while reducing the other), so memory holds at most
     two traces' per-unit lists."""
     sources = trace_sources(paths)

@@ -43,11 +43,10 @@ def _bin_labels() -> list[str]:
     return labels
 
 
-def histogram_frame(hist: pl.DataFrame, pairs: list[tuple[str, str]]) -> pl.DataFrame:
-    """Long (pair, step, bin, count, share) frame of the chosen layers' activation histograms."""
+def histogram_frame(hist: pl.DataFrame) -> pl.DataFrame:
+    """Long (pair, step, bin, count, share) frame of activation histograms (run, layer, step, hist)."""
     labels = _bin_labels()
-    chosen = pl.DataFrame(pairs, schema=["run", "layer"], orient="row")
-    df = _thin_steps(hist.join(chosen, on=["run", "layer"], how="semi"), MAX_HIST_STEPS)
+    df = _thin_steps(hist, MAX_HIST_STEPS) if hist.height else hist
     if not df.height:
         return pl.DataFrame()
     df = df.with_columns(pl.int_range(bins.N_BINS).implode().alias("bin"))
@@ -190,7 +189,7 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
     flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found]
     layer_pairs = acts.select("run", "layer", "layer_index").unique().sort("run", "layer_index")
     pairs = list(dict.fromkeys(flagged + [tuple(r) for r in layer_pairs.select("run", "layer").rows()]))
-    hist = histogram_frame(analysis.hist, pairs[:MAX_HIST_PAIRS])
+    hist = histogram_frame(analysis.histograms(pairs[:MAX_HIST_PAIRS]))
     if hist.height:
         section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
                 f"own). Shown for {min(len(pairs), MAX_HIST_PAIRS)} of {len(pairs)} layers, those with findings "

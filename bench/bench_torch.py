@@ -15,6 +15,7 @@ Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--model
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
@@ -124,13 +125,15 @@ def main() -> None:
             with torch.no_grad():
                 model(probe)
 
+        steps = itertools.count()  # a trace holds one reading per step: each reading takes the next
+
         def train_step(mon=None):
             model.train()
             loss = loss_fn(model(probe))
             opt.zero_grad()
             loss.backward()
             if mon is not None:
-                mon.gradient_reading(0)
+                mon.gradient_reading(next(steps))
             opt.step()
             model.eval()
 
@@ -139,8 +142,8 @@ def main() -> None:
             def monitored(**kw):
                 with Monitor(model, probe, f"{d}/t.parquet", overwrite=True, flush_every=10_000_000,
                              **kw) as mon:
-                    mon.probe_reading(0)  # the first reading finds in-place layers and warms the threads
-                    yield lambda: mon.probe_reading(0)
+                    mon.probe_reading(next(steps))  # the first reading warms the threads
+                    yield lambda: mon.probe_reading(next(steps))
 
             @contextmanager
             def watched():

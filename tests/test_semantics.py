@@ -202,3 +202,15 @@ def test_duplicate_readings_made_elsewhere_are_reported_and_shown_once(tmp_path,
     assert m.height == 2 and "1 reading(s) repeat" in str(caught[0].message)
     summary = cli("summary", tmp_path / "d.parquet")
     assert "warning: " in summary.stderr and "repeat a (run, layer, stream, param, step)" in summary.stderr
+
+
+def test_the_monitor_records_one_reading_per_step_and_names_a_restart(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with Monitor(model, torch.randn(8, 4), tmp_path / "m.parquet") as mon:
+        mon.probe_reading(10)
+        with pytest.warns(UserWarning, match="step 10 was read already"):
+            mon.probe_reading(10)  # a final reading at the step the loop read: the first stands
+        with pytest.raises(ValueError, match="step 3 for layer '0', stream 'activation' is not after step 10"):
+            mon.probe_reading(3)
+    steps = [r["step"] for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()]
+    assert steps == [10, 10]  # layers 0 and 1, once each
