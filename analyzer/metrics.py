@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from actrace import bins
 from actrace.schema import READING_KEY, SAT_LEVELS, SATURATING_SIDES
@@ -46,9 +47,7 @@ def _margin(lo, hi, t):
     return (1.0 - t) * np.maximum(np.abs(lo), np.abs(hi))
 
 
-def upper_only(kind) -> bool:
-    """Whether a kind saturates at its upper bound only (ReLU6, softmax: spec §Layer kinds)."""
-    return SATURATING_SIDES.get(kind) == ("hi",)
+UPPER_ONLY = [kind for kind, sides in SATURATING_SIDES.items() if sides == ("hi",)]  # ReLU6, softmax
 
 
 def saturated_bins(lo: float, hi: float, t: float, upper: bool = False) -> np.ndarray:
@@ -92,10 +91,13 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
         need = (b_hi - b_lo) / 2 - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
         lengths = np.diff(np.append(dev_starts, len(dev)))
         both = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
-        near_hi = b_hi - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
-        upper = _count_per_row(lo >= np.repeat(near_hi, np.diff(np.append(starts, len(lo)))), starts,
-                               nulls | np.isnan(near_hi))
-        pinned = np.where([upper_only(k) for k in table["kind"].to_pylist()], upper, both)
+        upper_rows = pc.is_in(table["kind"], pa.array(UPPER_ONLY)).to_numpy(zero_copy_only=False)
+        pinned = both
+        if upper_rows.any():  # ReLU6, softmax: pinned at the upper bound only, from unit_min
+            near_hi = b_hi - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
+            upper = _count_per_row(lo >= np.repeat(near_hi, np.diff(np.append(starts, len(lo)))), starts,
+                                   nulls | np.isnan(near_hi))
+            pinned = np.where(upper_rows, upper, both)
     pinned[np.isnan(b_lo)] = np.nan
     return {"dead_units": dead, "pinned_units": pinned}
 
@@ -116,7 +118,7 @@ def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Ex
     expr = pl.lit(None, dtype=pl.Float64)
     non_nan = pl.col("count") - pl.col("nan_count")
     for kind, lo, hi in bounded:
-        upper = upper_only(kind)
+        upper = kind in UPPER_ONLY
         mask = pl.lit(pl.Series([saturated_bins(lo, hi, t, upper).tolist()]))
         share = (pl.col("hist") * mask).list.sum() / non_nan
         if t in SAT_LEVELS:
