@@ -55,7 +55,7 @@ class Reading:
 
     @classmethod
     def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
-                   **fields) -> "Reading":
+                   **meta) -> "Reading":
         """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
         `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
         totals follow from them (spec §Columns). Without `per_unit` only the totals are kept.
@@ -70,12 +70,11 @@ class Reading:
                 # units with no finite value hold NaN extremes, which fmin/fmax pass over
                 min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
                 hist=v["hist"].astype(np.int64) if "hist" in v else None,
-                sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **fields)
+                sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **meta)
         if per_unit:
             for name, dtype in _UNIT_DTYPES.items():
-                setattr(r, name, v[name].reshape(-1).astype(dtype))
-            for name, toward in (("unit_min", -np.inf), ("unit_max", np.inf), ("unit_min_dev", -np.inf)):
-                setattr(r, name, outward(v[name].reshape(-1), toward))
+                value = v[name].reshape(-1)
+                setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype))
         return r
 
 
@@ -113,6 +112,7 @@ def sat_counts(x, bounds: tuple[float, float], lib=np):
     return lib.stack([(x <= v).sum() for v in lows] + [(x >= v).sum() for v in highs])
 
 
+_OUTWARD = {"unit_min": -np.inf, "unit_max": np.inf, "unit_min_dev": -np.inf}  # float32 columns: round this way
 _UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype()
                 for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "unit_min", "unit_max",
                              "unit_min_dev")}
