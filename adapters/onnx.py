@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +20,11 @@ from actrace.fingerprint import fingerprint
 from actrace.reader import expand
 from actrace.reduce import merge, reduce_arrays
 
-OP_KINDS = {
-    "Relu": "relu", "LeakyRelu": "leaky_relu", "PRelu": "prelu", "Elu": "elu", "Celu": "elu", "Selu": "selu",
-    "Gelu": "gelu", "Mish": "mish", "Softplus": "softplus", "HardSwish": "hard_swish", "Tanh": "tanh",
-    "Softsign": "softsign", "Sigmoid": "sigmoid", "HardSigmoid": "hard_sigmoid", "Softmax": "softmax",
-    "Clip": "clip", "Gemm": "linear", "MatMul": "linear", "Conv": "conv", "ConvTranspose": "conv",
-}
-CHANNELS_FIRST_OPS = {"Conv", "ConvTranspose", "BatchNormalization", "InstanceNormalization", "MaxPool",
-                      "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "GroupNormalization"}
-ELEMENTWISE_OPS = set(OP_KINDS) - {"Gemm", "MatMul", "Conv", "ConvTranspose", "Softmax"} | {
-    "Add", "Sub", "Mul", "Div", "Dropout", "Identity", "Neg", "Abs", "Sqrt", "Pow", "Erf", "Cast"}
+from actrace.schema import KINDS
+
+from ._onnx_graph import OP_KINDS, Layer
+from ._onnx_graph import layers as graph_layers
+
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
@@ -48,52 +44,20 @@ def _load(path: Path):
         raise OnnxError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
 
 
-def _clip_bounds(node, initializers) -> tuple[float, float] | None:
-    from onnx import numpy_helper
-
-    attrs = {a.name: a for a in node.attribute}
-    if "min" in attrs or "max" in attrs:  # opset < 11
-        return attrs["min"].f if "min" in attrs else None, attrs["max"].f if "max" in attrs else None
-    vals = []
-    for name in list(node.input[1:3]) + [""] * (3 - len(node.input)):
-        vals.append(float(numpy_helper.to_array(initializers[name])) if name in initializers else None)
-    return tuple(vals)
-
-
-def select_tensors(model, layers=None, op_types=None) -> list[dict]:
-    """The intermediate tensors to read: (layer name, output, kind, bounds, channels-first flag)."""
-    graph = model.graph
-    initializers = {i.name: i for i in graph.initializer}
-    wanted_ops = set(op_types) if op_types else set(OP_KINDS)
-    unknown = wanted_ops - set(OP_KINDS)
-    if unknown:
-        raise OnnxError(f"--op-types: unknown op type(s) {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(sorted(OP_KINDS))}")
-    channels_first: dict[str, bool] = {}
-    chosen, names = [], set()
-    for i, node in enumerate(graph.node):
-        first = channels_first.get(node.input[0], False) if node.input else False
-        flag = node.op_type in CHANNELS_FIRST_OPS or (node.op_type in ELEMENTWISE_OPS and first)
-        for out in node.output:
-            channels_first[out] = flag
-        if node.op_type not in wanted_ops or not node.output or not node.output[0]:
-            continue
-        name = node.name or node.output[0]
-        if layers and not any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(node.output[0], p) for p in layers):
-            continue
-        kind, bounds = OP_KINDS[node.op_type], None
-        if node.op_type == "Clip":
-            lo, hi = _clip_bounds(node, initializers)
-            if (lo, hi) == (0.0, 6.0):
-                kind, bounds = "relu6", None
-            elif lo is not None and hi is not None:
-                bounds = (lo, hi)
-            else:
-                kind = "other"
-        if name in names:
-            name = f"{name}#{i}"
-        names.add(name)
-        chosen.append(dict(layer=name, output=node.output[0], kind=kind, bounds=bounds, channels_first=flag))
+def select_tensors(model, layers=None, op_types=None, input_axes=None) -> list[Layer]:
+    """The framework's layers to read (adapters/_onnx_graph.py), filtered by name glob, and by op
+    type or kind (`Relu`, `Gemm`, `silu`: a decomposed activation is known by its kind)."""
+    kinds = set(KINDS)
+    if op_types:
+        unknown = set(op_types) - set(OP_KINDS) - set(KINDS)
+        if unknown:
+            raise OnnxError(f"--op-types: unknown op type(s) {', '.join(sorted(unknown))}; known: "
+                            f"{', '.join(sorted(OP_KINDS))}, or a kind ({', '.join(KINDS)})")
+        kinds = {OP_KINDS.get(op, op) for op in op_types}
+        kinds |= {"attention"} if "linear" in kinds else set()
+        kinds |= {"relu6"} if "clip" in kinds else set()
+    chosen = [t for t in graph_layers(model, input_axes) if t.kind in kinds and (
+        not layers or any(fnmatch.fnmatch(t.name, p) or fnmatch.fnmatch(t.output, p) for p in layers))]
     if not chosen:
         raise OnnxError("no tensor matches --layers/--op-types in this model")
     return chosen
@@ -106,7 +70,7 @@ def _session(model, tensors: list[dict], path: Path):
     import onnxruntime as ort
 
     existing = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.ValueInfoProto(name=t["output"]) for t in tensors if t["output"] not in existing)
+    model.graph.output.extend(onnx.ValueInfoProto(name=t.output) for t in tensors if t.output not in existing)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
@@ -172,23 +136,25 @@ def _chunks(session, feeds: dict, chunk: int, path: Path):
         yield {k: v[start: start + chunk] for k, v in feeds.items()}
 
 
-def _unit_axis(value: np.ndarray, t: dict) -> int | None:
-    return 1 if value.ndim >= 3 and t["channels_first"] else (value.ndim - 1 if value.ndim else None)
+def _unit_axis(value: np.ndarray, t: Layer) -> int | None:
+    """The layer's unit axis on this output (from its start or end), None where it was lost."""
+    return t.axis % value.ndim if t.axis is not None and -value.ndim <= t.axis < value.ndim else None
 
 
 class Checkpoint:
     """One ONNX model ready to read: its session on the graph copy and the tensors it exposes."""
 
-    def __init__(self, path: Path, *, layers=None, op_types=None):
+    def __init__(self, path: Path, *, layers=None, op_types=None, input_axes=None):
         self.path = Path(path)
         model = _load(self.path)
-        self.tensors = select_tensors(model, layers, op_types)
+        self.tensors = select_tensors(model, layers, op_types, input_axes)
+        self.lost = [t.name for t in self.tensors if t.axis is None]
         self.session = _session(model, self.tensors, self.path)
 
     def read(self, probe: dict, chunk: int = 256) -> list:
         """One probe reading: a Reading per chosen tensor, merged over the probe's chunks."""
         feeds = _feeds(self.session, probe, self.path)
-        names = [t["output"] for t in self.tensors]
+        names = [t.output for t in self.tensors]
         merged: dict[str, object] = {}
         for part in _chunks(self.session, feeds, chunk, self.path):
             try:
@@ -197,10 +163,10 @@ class Checkpoint:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
             jobs = [(t, np.asarray(v)) for t, v in zip(self.tensors, outputs)]
             jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
-            readings = reduce_arrays([(v, _unit_axis(v, t), t["kind"], dict(layer=t["layer"], bounds=t["bounds"]))
+            readings = reduce_arrays([(v, _unit_axis(v, t), t.kind, dict(layer=t.name, bounds=t.bounds))
                                       for t, v in jobs])  # one kernel batch on every thread
             for (t, _), r in zip(jobs, readings):
-                merged[t["layer"]] = merge(merged[t["layer"]], r) if t["layer"] in merged else r
+                merged[t.name] = merge(merged[t.name], r) if t.name in merged else r
         return list(merged.values())
 
 
@@ -229,8 +195,10 @@ def _bar(i: int, n: int, text: str) -> None:
 
 
 def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_types=None, steps=None,
-                step_pattern=None, chunk: int = 256, overwrite: bool = False, progress: bool = True) -> Path:
-    """Record one probe reading per ONNX checkpoint, in step order, into one trace."""
+                step_pattern=None, chunk: int = 256, overwrite: bool = False, progress: bool = True,
+                input_axes: dict[str, int] | None = None) -> Path:
+    """Record one probe reading per ONNX checkpoint, in step order, into one trace. `input_axes`
+    names the unit axis of graph inputs an activation reads directly (else: one unit)."""
     import onnxruntime as ort
 
     paths = []
@@ -252,7 +220,11 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
         for i, (step, path) in enumerate(order):
             if progress:
                 _bar(i, len(order), f"step {step}: {path.name}")
-            checkpoint = Checkpoint(path, layers=layers, op_types=op_types)
+            checkpoint = Checkpoint(path, layers=layers, op_types=op_types, input_axes=input_axes)
+            if checkpoint.lost and i == 0:
+                warnings.warn(f"actrace: the unit axis of {len(checkpoint.lost)} reading(s) cannot be followed "
+                              f"through the graph, so each is read as one unit: {', '.join(checkpoint.lost[:12])}",
+                              stacklevel=2)
             for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
         if progress:

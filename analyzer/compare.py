@@ -34,16 +34,14 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     layers = m.select("run", "layer", "layer_index", "kind").unique().sort("run", "layer_index", "layer")
-    names_per_run = layers.group_by("run").agg(pl.col("layer").sort().alias("names"))
-    same_names = names_per_run["names"].n_unique() <= 1
     if mapping:
         layers = layers.with_columns(pl.struct("run", "layer").map_elements(
             lambda r: mapping.get((r["run"], r["layer"]), r["layer"]), return_dtype=pl.String).alias("aligned"))
-    elif same_names:
-        layers = layers.with_columns(pl.col("layer").alias("aligned"))
-    else:
-        order = pl.col("layer_index").rank("dense").over("run", "kind").cast(pl.Int64) - 1
-        layers = layers.with_columns((pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
+    else:  # a name every run has aligns by name; the other layers by their order among their kind
+        shared = pl.col("run").n_unique().over("layer", "kind") == layers["run"].n_unique()
+        order = pl.col("layer_index").rank("dense").over("run", "kind", shared).cast(pl.Int64) - 1
+        layers = layers.with_columns(pl.when(shared).then(pl.col("layer"))
+                                     .otherwise(pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
     out = m.join(layers.select("run", "layer", "aligned"), on=["run", "layer"], how="left")
     if x == "progress":
         span = pl.col("step").max().over("run") - pl.col("step").min().over("run")

@@ -123,8 +123,9 @@ def torch_cuda(x, axis, kind, halves):
 
 
 def onnx_runtime(x, axis, kind, halves, tmp_path):
-    """ONNX Runtime computes sigmoid(x) and the adapter reduces that intermediate tensor, over the
-    probe's chunks when halved; the reference reduces the tensor ORT gives for the whole probe."""
+    """ONNX Runtime computes sigmoid(x) and the adapter reduces that intermediate tensor (unit axis
+    as given for the graph input), over the probe's chunks when halved; the reference reduces the
+    tensor ORT gives for the whole probe."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -139,7 +140,7 @@ def onnx_runtime(x, axis, kind, halves, tmp_path):
                               [helper.make_tensor_value_info("y", elem, dims)])
     path = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    (r,) = Checkpoint(path).read({"x": x}, chunk=3 if halves else len(x))
+    (r,) = Checkpoint(path, input_axes={"x": axis}).read({"x": x}, chunk=3 if halves else len(x))
     (made,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     return r, made, axis
 
@@ -166,9 +167,8 @@ BACKENDS = {
     "torch-fused": (torch_fused, lambda d, lay, k: d in NARROW,
                     _missing("torch") or (None if kernel.available else "kernel not built")),
     "torch-cuda": (torch_cuda, lambda d, lay, k: True, _missing("torch") or _cuda()),
-    # a Sigmoid of a graph input: float32/float64, units on its last axis
-    "onnxruntime": (onnx_runtime, lambda d, lay, k: d in ("float32", "float64") and k == "sigmoid"
-                    and LAYOUTS[lay][1] is not None and LAYOUTS[lay][1] % len(LAYOUTS[lay][0]) == len(LAYOUTS[lay][0]) - 1,
+    # a Sigmoid of a graph input: float32/float64
+    "onnxruntime": (onnx_runtime, lambda d, lay, k: d in ("float32", "float64") and k == "sigmoid",
                     _missing("onnx", "onnxruntime")),
 }
 

@@ -42,7 +42,7 @@ def test_dying_relu_is_found_growing_in_pytorch_and_in_its_onnx_export(demo):
     """relu2 dies in the first 150 steps and then stays at ~66 %: a stable tax; relu3 still dies."""
     found = demo[3]
     assert {("dead_growing", "relu3"), ("dead_high", "relu2")} <= _found(found, "dying-relu")
-    assert {("dead_growing", "/relu3/Relu"), ("dead_high", "/relu2/Relu")} <= _found(found, "dying-relu-onnx")
+    assert {("dead_growing", "relu3"), ("dead_high", "relu2")} <= _found(found, "dying-relu-onnx")  # module names
 
 
 def test_saturated_tanh_is_found_in_its_tanh_layers(demo):

@@ -1,0 +1,123 @@
+"""A PyTorch run and its ONNX export agree layer by layer (both exporters): one reading per
+framework layer, named as the PyTorch adapter names it, with the same unit axis."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actrace
+from actrace.adapters.onnx import record_onnx
+from actrace.adapters.torch import Monitor
+from actrace.analyzer.compare import align, compare
+from actrace.analyzer.metrics import metrics
+
+
+class Acts(nn.Module):
+    """Linears with SiLU, Mish, GELU (tanh) modules and a functional GELU; 4 fc1 units killed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(8, 16), nn.SiLU()
+        self.fc2, self.act2 = nn.Linear(16, 16), nn.Mish()
+        self.fc3, self.act3 = nn.Linear(16, 16), nn.GELU(approximate="tanh")
+        self.fc4 = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.fc1.bias[:4] = -12.0  # far negative: SiLU pins these units near 0 (never exactly)
+
+    def forward(self, x):
+        return self.fc4(F.gelu(self.fc3(self.act3(self.fc2(self.act2(self.act1(self.fc1(x))))))))
+
+
+class Res(nn.Module):
+    """Conv → BatchNorm → ReLU → Upsample → Conv → ReLU, 3 of 8 channels of the last ReLU dead."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        self.up = nn.Upsample(scale_factor=2)
+        self.conv2, self.relu2 = nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()
+        with torch.no_grad():
+            self.bn1.running_mean.uniform_(-0.5, 0.5)
+            self.bn1.running_var.uniform_(0.5, 2.0)
+            self.conv2.bias[:3] = -50.0
+
+    def forward(self, x):
+        return self.relu2(self.conv2(self.up(self.relu(self.bn1(self.conv1(x))))))
+
+
+class Encoder(nn.Module):
+    """A transformer encoder layer (3-D Linears, attention, GELU) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, activation="gelu")
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+
+MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16))}
+
+
+def record_both(tmp_path, build, shape, dynamo: bool):
+    torch.manual_seed(0)
+    model = build().eval()
+    probe = torch.randn(*shape)
+    with Monitor(model, probe, tmp_path / "torch.parquet") as mon:
+        mon.probe_reading(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=True,
+                              dynamic_shapes=({0: "batch"},), verbose=False)
+        else:
+            torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=False,
+                              dynamic_axes={"x": {0: "batch"}})
+    np.save(tmp_path / "probe.npy", probe.numpy())
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npy", tmp_path / "onnx.parquet", chunk=4, progress=False)
+    return [tmp_path / "torch.parquet", tmp_path / "onnx.parquet"]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("model", MODELS)
+def test_every_onnx_layer_is_the_pytorch_layer_it_aligns_with(tmp_path, model, dynamo):
+    paths = record_both(tmp_path, *MODELS[model], dynamo)
+    a = align(metrics(paths)).filter(pl.col("stream") == "activation")
+    keys = {run: dict(zip(g["layer"], g["aligned"])) for (run,), g in a.group_by(["run"])}
+    rows = {run: {keys[run][r["layer"]]: r for r in actrace.read_table(p).to_pylist()}
+            for run, p in zip(("torch", "onnx"), paths)}
+    onnx_only = set(rows["onnx"]) - set(rows["torch"])
+    assert not onnx_only, f"ONNX readings with no PyTorch layer: {onnx_only}"
+    for key, b in rows["onnx"].items():
+        t = rows["torch"][key]
+        assert (t["kind"], t["units"], t["count"]) == (b["kind"], b["units"], b["count"]), key
+        assert t["unit_zero"] == b["unit_zero"], key
+        for col in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev"):
+            np.testing.assert_allclose(b[col], t[col], rtol=1e-4, atol=1e-5, err_msg=f"{key} {col}")
+    m = a.sort("aligned")
+    per_run = {run: g.filter(pl.col("aligned").is_in(list(rows["onnx"]))).sort("aligned").select(
+        "aligned", "dead_fraction", "saturation_value", "saturation_unit").rows() for (run,), g in m.group_by(["run"])}
+    assert per_run["torch"] == per_run["onnx"]
+    c = compare(align(metrics(paths)), "torch")
+    assert c.is_empty() or c["difference"].abs().max() < 1e-3, c
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_names_are_the_module_paths(tmp_path, dynamo):
+    paths = record_both(tmp_path, *MODELS["encoder"], dynamo)
+    names = [r["layer"] for r in actrace.read_table(paths[1]).to_pylist()]
+    assert names == ["layer.self_attn", "layer.norm1", "layer.linear1", "layer.gelu", "layer.linear2",
+                     "layer.norm2", "head"]
+
+
+def test_the_channel_axis_is_followed_through_an_upsample(tmp_path):
+    paths = record_both(tmp_path, *MODELS["res"], False)
+    relu2 = metrics(paths[1]).filter(pl.col("layer") == "relu2")
+    assert relu2["dead_fraction"][0] == 3 / 8
