@@ -36,6 +36,7 @@ class Layer:
     kind: str
     bounds: tuple[float, float] | None
     axis: int | None  # from the start if >= 0, from the end if < 0; None: one unit
+    input: str = ""   # the tensor a ReLU rectifies: read from that tensor's pass when it is read too
 
 
 class Graph:
@@ -45,9 +46,9 @@ class Graph:
         import onnx
 
         try:
-            model = onnx.shape_inference.infer_shapes(model)
+            shapes = onnx.shape_inference.infer_shapes(_without_weights(model)).graph
         except Exception:  # shapes help follow Reshape and Flatten; without them those lose the axis
-            pass
+            shapes = model.graph
         g = model.graph
         self.nodes = list(g.node)
         self.const = {i.name for i in g.initializer} | {o for n in self.nodes if n.op_type == "Constant"
@@ -59,7 +60,7 @@ class Graph:
             for i in n.input:
                 self.consumers.setdefault(i, []).append(n)
         self.shape = {}
-        for v in list(g.value_info) + list(g.input) + list(g.output):
+        for v in list(shapes.value_info) + list(shapes.input) + list(shapes.output):
             t = v.type.tensor_type
             if t.HasField("shape"):
                 self.shape[v.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
@@ -77,6 +78,33 @@ class Graph:
     def only_consumer(self, name: str):
         c = self.consumers.get(name, [])
         return c[0] if len(c) == 1 else None
+
+
+def _without_weights(model):
+    """The model with its large initializers declared as typed inputs instead: shape inference
+    needs their shapes, not their values, and serializing the weights dominated its cost."""
+    import onnx
+
+    light = onnx.ModelProto(ir_version=model.ir_version)
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    g = light.graph
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL or _numel(init.dims) > 64:
+            g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            g.initializer.append(init)
+    return light
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
 
 
 def scope(node) -> tuple[str | None, str | None]:
@@ -266,7 +294,8 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}#{seen[name]}"
-        out.append(Layer(name, node.output[0], kind, bounds, axes.get(node.output[0])))
+        out.append(Layer(name, node.output[0], kind, bounds, axes.get(node.output[0]),
+                         node.input[0] if node.op_type == "Relu" else ""))
     return out
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from actrace import bins, kernel
-from actrace.reduce import Reading, ReductionError, centre, check_reducible, combine, reference, sat_counts
+from actrace.reduce import (Reading, ReductionError, centre, check_reducible, combine, reference, relu_stats,
+                            sat_counts)
 from actrace.schema import MERGE, bounds_for
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
@@ -125,7 +126,7 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         if bounds is not None and per_unit:
             pending.stats["sat_counts"] = sat_counts(view.numpy(), bounds)
         if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
-            pending.relu = _relu_stats(pending.stats, relu)
+            pending.relu = relu_stats(pending.stats, relu)
         return pending
     pending.source = x
     dims = [d for d in range(x.ndim) if d != axis]
@@ -164,18 +165,6 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         s["sat_counts"] = sat_counts(x, bounds, torch)
     pending.stats = s
     return pending
-
-
-def _relu_stats(stats: dict, sums: dict) -> dict:
-    """relu(x)'s statistics from x's fused pass: its sums and zeros come from the kernel; min, max
-    and min |h| follow from x's; values <= 0 land in zero's bin."""
-    lo = np.maximum(stats["unit_min"], 0)
-    relu = {**{k: v for k, v in stats.items() if k != "sat_counts"}, **sums, "unit_min": lo, "unit_max": np.maximum(stats["unit_max"], 0), "unit_min_dev": lo}
-    if "hist" in stats:
-        hist = relu["hist"] = stats["hist"].copy()
-        hist[bins.ZERO_BIN] = hist[: bins.ZERO_BIN + 1].sum()
-        hist[: bins.ZERO_BIN] = 0
-    return relu
 
 
 def relu_of(source: Pending, layer: str) -> Pending:

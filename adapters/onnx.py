@@ -74,6 +74,7 @@ def _session(model, tensors: list[dict], path: Path):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # its idle threads would slow our reductions
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:
@@ -149,25 +150,31 @@ class Checkpoint:
         model = _load(self.path)
         self.tensors = select_tensors(model, layers, op_types, input_axes)
         self.lost = [t.name for t in self.tensors if t.axis is None]
-        self.session = _session(model, self.tensors, self.path)
+        # a ReLU of a tensor read anyway is read from that tensor's pass, its own output not fetched
+        read = {t.output: t for t in self.tensors}
+        self.relu_of = {t.input: t for t in self.tensors if t.input in read and read[t.input].axis == t.axis}
+        self.fetched = [t for t in self.tensors if t not in self.relu_of.values()]
+        self.session = _session(model, self.fetched, self.path)
 
     def read(self, probe: dict, chunk: int = 256) -> list:
         """One probe reading: a Reading per chosen tensor, merged over the probe's chunks."""
         feeds = _feeds(self.session, probe, self.path)
-        names = [t.output for t in self.tensors]
+        names = [t.output for t in self.fetched]
         merged: dict[str, object] = {}
         for part in _chunks(self.session, feeds, chunk, self.path):
             try:
                 outputs = self.session.run(names, part)
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
-            jobs = [(t, np.asarray(v)) for t, v in zip(self.tensors, outputs)]
+            jobs = [(t, np.asarray(v)) for t, v in zip(self.fetched, outputs)]
             jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
-            readings = reduce_arrays([(v, _unit_axis(v, t), t.kind, dict(layer=t.name, bounds=t.bounds))
-                                      for t, v in jobs])  # one kernel batch on every thread
-            for (t, _), r in zip(jobs, readings):
-                merged[t.name] = merge(merged[t.name], r) if t.name in merged else r
-        return list(merged.values())
+            readings = reduce_arrays([(v, _unit_axis(v, t), t.kind, dict(
+                layer=t.name, bounds=t.bounds, relu=self.relu_of[t.output].name if t.output in self.relu_of else None))
+                for t, v in jobs])  # one kernel batch on every thread
+            for r in readings:
+                merged[r.layer] = merge(merged[r.layer], r) if r.layer in merged else r
+        order = {t.name: i for i, t in enumerate(self.tensors)}
+        return sorted(merged.values(), key=lambda r: order[r.layer])
 
 
 def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[tuple[int, Path]]:

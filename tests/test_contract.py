@@ -277,3 +277,19 @@ def test_a_kernel_built_for_another_struct_layout_is_refused_at_import(monkeypat
     monkeypatch.setattr(kernel, "_Job", Shorter)
     with pytest.raises(kernel.LayoutError, match="rebuild"):
         kernel._load()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["clean", "hard"])
+def test_reduce_arrays_reads_relu_from_its_inputs_pass_or_its_own(case, dtype):
+    """The core's relu derivation (the ONNX adapter's Conv → Relu): from x's kernel pass where x
+    is float32 and finite, else from a pass over relu(x); the reference's numbers either way."""
+    from actrace.reduce import reduce_arrays
+
+    x = values(case, (64, 9), DTYPES[dtype])
+    got, relu = reduce_arrays([(x, 1, "linear", dict(layer="x", relu="x.relu"))])
+    assert (relu.layer, relu.kind, relu.bounds) == ("x.relu", "relu", None)
+    assert_same(got, from_reference(x, 1, "linear"), x, 1)
+    with np.errstate(invalid="ignore"):
+        r = np.maximum(x, 0)
+    assert_same(relu, from_reference(r, 1, "relu", "x.relu"), r, 1)
