@@ -50,6 +50,9 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
     return out.with_columns(pl.col("step").cast(pl.Float64).alias("x"))
 
 
+NOISE = 1e-6  # relative: differences within it are float rounding between frameworks' kernels
+
+
 def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", top: int = 20) -> pl.DataFrame:
     """Per metric, the (run, layer) pairs that differ most from the baseline run on average, from
     metrics aligned by `align(m, mapping, x)`."""
@@ -75,7 +78,9 @@ def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", to
             .agg(pl.col("value").mean(), pl.col("baseline_value").mean(), pl.col("difference").mean(),
                  pl.len().alias("points"))
             .with_columns(pl.col("difference").abs().alias("_abs"))
-            .filter((pl.col("_abs") > 1e-9) & pl.col("_abs").is_finite())  # NaN runs are nan_inf's business
+            # float rounding is not a difference (two frameworks' kernels round apart); NaN runs are nan_inf's
+            .filter((pl.col("_abs") > NOISE * pl.max_horizontal(pl.col("value").abs(), pl.col("baseline_value").abs(),
+                                                                pl.lit(1.0))) & pl.col("_abs").is_finite())
             .sort("_abs", descending=True).drop("_abs")
             .group_by("metric", maintain_order=True).head(top)
             .with_columns(pl.lit(baseline).alias("baseline")))
