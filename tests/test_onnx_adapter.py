@@ -1,19 +1,15 @@
-"""ONNX Runtime adapter: models built with onnx.helper and PyTorch exports, agreement with the
-PyTorch adapter, checkpoint series, and clear errors for bad models and probes."""
+"""ONNX Runtime adapter: models built with onnx.helper, checkpoint series, and clear errors for
+bad models and probes (agreement with the PyTorch adapter: tests/test_onnx_agreement.py)."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import polars as pl
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
-from torch import nn
 
 import actrace
 from actrace.adapters.onnx import record_onnx
-from actrace.adapters.torch import Monitor
-from actrace.analyzer.compare import align
 from actrace.analyzer.metrics import metrics
 from actrace.validate import validate
 
@@ -130,64 +126,3 @@ def test_an_op_onnxruntime_cannot_run_is_named(cli, tmp_path):
     np.save(tmp_path / "p.npy", np.ones((2, 2), np.float32))
     res = cli("record", tmp_path / "w.onnx", "--probe", tmp_path / "p.npy", "-o", tmp_path / "t.parquet")
     assert res.returncode == 2 and "ONNX Runtime cannot run this model" in res.stderr and "NoSuchOp" in res.stderr
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh())
-
-    def forward(self, x):
-        return self.net(x)
-
-
-class CNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
-                                 nn.Linear(8 * 4 * 4, 6), nn.Tanh())
-
-    def forward(self, x):
-        return self.net(x)
-
-
-@pytest.mark.parametrize("build,shape,dynamo", [(MLP, (64, 12), False), (MLP, (64, 12), True),
-                                                (CNN, (24, 3, 8, 8), False)], ids=["mlp", "mlp-dynamo", "cnn"])
-def test_pytorch_and_onnx_adapters_agree_on_an_exported_model(tmp_path, build, shape, dynamo):
-    torch.manual_seed(0)
-    model = build()
-    with torch.no_grad():  # kill some units and saturate some, so the metrics are not trivial
-        model.net[0].bias[:3] = -50.0
-        model.net[-2].bias[:2] = 4.0
-    probe = torch.randn(*shape)
-    with Monitor(model, probe, tmp_path / "torch.parquet", probe_chunk=10) as mon:
-        mon.probe_reading(0)
-    if dynamo:
-        torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=True,
-                          dynamic_shapes=({0: "batch"},), verbose=False)
-    else:
-        torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=False,
-                          dynamic_axes={"x": {0: "batch"}})
-    np.save(tmp_path / "probe.npy", probe.numpy())
-    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npy", tmp_path / "onnx.parquet", chunk=7, progress=False)
-    by_kind = {}
-    for name in ("torch", "onnx"):
-        rows = actrace.read_table(tmp_path / f"{name}.parquet").to_pylist()
-        for kind in ("relu", "tanh", "linear", "conv"):
-            by_kind.setdefault(kind, {})[name] = [r for r in rows if r["kind"] == kind]
-    compared = 0
-    for kind, pair in by_kind.items():
-        assert len(pair["torch"]) == len(pair["onnx"]), kind
-        for a, b in zip(pair["torch"], pair["onnx"]):
-            assert (a["units"], a["unit_axis"], a["shape"], a["count"]) == (b["units"], b["unit_axis"], b["shape"], b["count"])
-            assert a["unit_zero"] == b["unit_zero"]
-            for col in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev"):
-                np.testing.assert_allclose(a[col], b[col], rtol=1e-4, atol=1e-5, err_msg=f"{kind} {col}")
-            compared += 1
-    assert compared >= 4
-    m = align(metrics([tmp_path / "torch.parquet", tmp_path / "onnx.parquet"]))
-    acts = m.filter(pl.col("kind").is_in(["relu", "tanh"])).sort("aligned")
-    per_run = {run: g.select("aligned", "dead_fraction", "saturation_value", "saturation_unit").rows()
-               for (run,), g in acts.group_by(["run"])}
-    assert per_run["torch"] == per_run["onnx"]
-    assert any(r[1] > 0 for r in per_run["torch"]) and any((r[2] or 0) > 0 for r in per_run["torch"])

@@ -63,7 +63,22 @@ class Encoder(nn.Module):
         return self.head(self.layer(x))
 
 
-MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16))}
+class TanhMLP(nn.Module):
+    """Linear → ReLU (3 units dead) → Linear → Tanh (2 units saturated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh())
+        with torch.no_grad():
+            self.net[0].bias[:3] = -50.0
+            self.net[2].bias[:2] = 4.0
+
+    def forward(self, x):
+        return self.net(x)
+
+
+MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16)),
+          "tanh-mlp": (TanhMLP, (64, 12))}
 
 
 def record_both(tmp_path, build, shape, dynamo: bool):
@@ -115,6 +130,14 @@ def test_onnx_names_are_the_module_paths(tmp_path, dynamo):
     names = [r["layer"] for r in actrace.read_table(paths[1]).to_pylist()]
     assert names == ["layer.self_attn", "layer.norm1", "layer.linear1", "layer.gelu", "layer.linear2",
                      "layer.norm2", "head"]
+
+
+def test_dead_and_saturated_units_read_the_same_in_both(tmp_path):
+    paths = record_both(tmp_path, *MODELS["tanh-mlp"], False)
+    by_run = [metrics(p).filter(pl.col("stream") == "activation").select("layer", "dead_fraction", "saturation_value")
+              .sort("layer").rows() for p in paths]
+    assert by_run[0] == by_run[1]
+    assert ("net.1", 3 / 32, None) in by_run[0] and dict((r[0], r[2]) for r in by_run[0])["net.3"] > 0
 
 
 def test_the_channel_axis_is_followed_through_an_upsample(tmp_path):
