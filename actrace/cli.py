@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -19,6 +20,23 @@ EXAMPLES = """examples:
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
 """
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f, *range(0x80, 0xa0)] if chr(c) not in "\n\t"}
+
+
+class Escaped:
+    """A text stream that writes control characters escaped (`\\x1b`): names and metadata come from
+    traces other people wrote, and must not clear, retitle or fake lines on the reader's terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(text.translate(_CONTROL))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def progress(message: str) -> None:
@@ -72,8 +90,11 @@ def cmd_report(args) -> int:
 
 
 def emit(text: str, output: str | None, what: str) -> None:
-    """Write machine output to a file (saying so) or to stdout."""
+    """Write machine output to a file (saying so; its folder made) or to stdout."""
     if output:
+        from pathlib import Path
+
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w") as f:
             f.write(text)
         progress(f"wrote {what} to {output}")
@@ -160,7 +181,6 @@ def report_trace(path) -> None:
 
 
 def cmd_record(args) -> int:
-    import os
     import subprocess
 
     config = _config(args.config)
@@ -286,6 +306,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = command_line
     warnings.formatwarning = lambda message, *_, **__: f"actrace: warning: {message}\n"
+    sys.stdout, sys.stderr = Escaped(sys.stdout), Escaped(sys.stderr)
     try:
         return args.func(args)
     except (TraceError, FileExistsError, FileNotFoundError, ValueError) as exc:
@@ -293,6 +314,11 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `actrace summary … | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    finally:
+        sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+"""The command line with a user's ordinary mistakes and an untrusted trace: no traceback, no raw
+control characters on the terminal, folders made."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+import actrace
+
+from conftest import EXAMPLES
+
+
+def test_names_from_a_trace_reach_the_terminal_escaped(tmp_path, cli):
+    evil_run, evil_layer = "a\x1b[2Jb", "fc\x1b]0;owned\x07"
+    with actrace.Writer(tmp_path / "e.parquet", run=evil_run) as w:
+        w.record_activation(0, evil_layer, np.zeros((4, 3), np.float32), kind="relu")
+    for args in (["summary", tmp_path / "e.parquet"], ["inspect", tmp_path / "e.parquet"],
+                 ["check", tmp_path / "e.parquet", "--max-dead", "0.5"], ["findings", tmp_path / "e.parquet"]):
+        res = cli(*args)
+        assert "\x1b" not in res.stdout + res.stderr and "\x07" not in res.stdout, args
+        assert "fc\\x1b]0;owned\\x07" in res.stdout, (args, res.stdout)
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    with actrace.Writer(tmp_path / "big.parquet", run="big") as w:  # more output than a pipe holds
+        for i in range(3000):
+            w.record_activation(0, f"block.{i}.act", np.ones((2, 2), np.float32), kind="relu")
+    res = subprocess.run(f"{sys.executable} -m actrace.cli inspect {tmp_path / 'big.parquet'} | head -1",
+                         shell=True, capture_output=True, text=True)
+    assert res.stdout.count("\n") == 1 and "Traceback" not in res.stderr and "Error" not in res.stderr, res.stderr
+
+
+def test_machine_output_goes_into_a_new_folder(tmp_path, cli):
+    res = cli("summary", EXAMPLES / "valid-mlp.parquet", "--format", "csv", "-o", tmp_path / "new" / "m.csv")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "new" / "m.csv").read_text().startswith("run,layer")
