@@ -39,6 +39,10 @@ class Escaped:
         return getattr(self.stream, name)
 
 
+EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "polars": "report", "altair": "report",
+          "vl_convert": "report"}  # module → the pyproject extra that installs it
+
+
 def progress(message: str) -> None:
     print(f"actrace: {message}…", file=sys.stderr, flush=True)
 
@@ -162,8 +166,19 @@ def _config(pairs: list[str]) -> dict:
     return out
 
 
-def report_trace(path) -> None:
-    """Say where a recorded trace is, how many readings and steps it holds, and its size."""
+def _stamp(path) -> float | None:
+    """When the trace at `path` (or its part files) last changed; None if there is none."""
+    from pathlib import Path
+
+    from .writer import parts_dir
+
+    times = [p.stat().st_mtime for p in (Path(path), parts_dir(Path(path))) if p.exists()]
+    return max(times) if times else None
+
+
+def report_trace(path, before: float | None = None) -> None:
+    """Say where the trace this run recorded is, how many readings and steps it holds, and its
+    size; `before`: the trace's stamp before the run, so an older trace is not reported as new."""
     from pathlib import Path
 
     from .describe import describe
@@ -171,8 +186,9 @@ def report_trace(path) -> None:
 
     path = Path(path)
     source = path if path.exists() else parts_dir(path)
-    if not source.exists():
-        print(f"actrace record: no trace was written at {path}", file=sys.stderr)
+    if not source.exists() or (before is not None and _stamp(path) == before):
+        older = " (the trace there is an older one)" if source.exists() else ""
+        print(f"actrace record: no trace was written at {path} by this run{older}", file=sys.stderr)
         return
     d = describe(source)
     state = "" if source == path else " (not compacted: the run did not close its Monitor/Writer)"
@@ -187,6 +203,10 @@ def cmd_record(args) -> int:
     if args.model:
         if args.command_line:
             raise ValueError("give either MODEL.onnx ... or -- COMMAND, not both")
+        first = args.model[0]
+        if not first.endswith(".onnx") and not any(c in first for c in "*?["):
+            raise ValueError(f"{first!r} is not an ONNX model; to record a training script, put -- before it: "
+                             f"actrace record -o {args.output} -- {' '.join(args.model)}")
         from .adapters.onnx import record_onnx
 
         record_onnx(args.model, args.probe, args.output, run=args.run, config=config, layers=args.layers,
@@ -202,11 +222,12 @@ def cmd_record(args) -> int:
                ACTRACE_OVERWRITE="1" if args.overwrite else "0")
     if args.run:
         env["ACTRACE_RUN"] = args.run
+    before = _stamp(args.output)
     try:
         code = subprocess.call(args.command_line, env=env)
     except FileNotFoundError:
         raise ValueError(f"cannot run {args.command_line[0]!r}: no such program") from None
-    report_trace(args.output)
+    report_trace(args.output, before)
     return code
 
 
@@ -314,6 +335,13 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # an optional extra that is not installed
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"actrace {args.command}: error: this needs {exc.name}, which is not installed: "
+              f"pip install 'actrace[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `actrace summary … | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -36,3 +36,26 @@ def test_machine_output_goes_into_a_new_folder(tmp_path, cli):
     res = cli("summary", EXAMPLES / "valid-mlp.parquet", "--format", "csv", "-o", tmp_path / "new" / "m.csv")
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "new" / "m.csv").read_text().startswith("run,layer")
+
+
+def test_record_without_the_double_dash_says_how(tmp_path, cli):
+    res = cli("record", "-o", tmp_path / "x.parquet", "python", "train.py")
+    assert res.returncode == 2 and "'python' is not an ONNX model" in res.stderr
+    assert f"actrace record -o {tmp_path / 'x.parquet'} -- python train.py" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_record_does_not_report_an_older_trace_as_this_runs(tmp_path, cli):
+    with actrace.Writer(tmp_path / "old.parquet", run="old") as w:
+        w.record_activation(0, "fc", np.ones((2, 2), np.float32), kind="relu")
+    script = "import os, actrace; actrace.Writer(os.environ['ACTRACE_OUT'])"  # refuses: a trace is there
+    res = cli("record", "-o", tmp_path / "old.parquet", "--", "python", "-c", script)
+    assert res.returncode == 1 and "FileExistsError" in res.stderr
+    assert "no trace was written" in res.stderr and "older one" in res.stderr and "1 readings" not in res.stderr
+
+
+def test_a_missing_extra_is_named_with_the_pip_command(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None  # as where the torch extra is not installed\n"
+            f"from actrace.cli import main; sys.exit(main(['demo', '-o', {str(tmp_path / 'd')!r}]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 2 and "pip install 'actrace[torch]'" in res.stderr and "Traceback" not in res.stderr
