@@ -72,7 +72,7 @@ def read_source(source: Path, columns: list[str] | None = None, *, when=None) ->
         meta = metadata.read(f)
         present = set(known_columns(f))
         try:
-            pf = pq.ParquetFile(f)
+            pf = pq.ParquetFile(f, page_checksum_verification=True)  # a flipped bit is corruption, not a number
             table = pf.read(columns=[c for c in want if c in present and c not in lazy])
             if lazy and needed(table):
                 extra = pf.read(columns=[c for c in want if c in present and c in lazy])

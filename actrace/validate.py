@@ -52,7 +52,7 @@ def validate_file(path: Path) -> list[Problem]:
 
     try:
         version = metadata.read(path)["spec_version"]
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
     except TraceError as exc:
         return [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
     except (pa.ArrowException, OSError) as exc:

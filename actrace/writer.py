@@ -21,7 +21,7 @@ from .table import readings_to_table
 
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
     "run", "layer", "kind", "stream", "param", "dtype", "mode", "probe_fingerprint"],
-    write_statistics=["run", "step", "layer", "stream"])
+    write_statistics=["run", "step", "layer", "stream"], write_page_checksum=True)
 
 
 def parts_dir(path: Path) -> Path:
@@ -29,10 +29,22 @@ def parts_dir(path: Path) -> Path:
 
 
 def write_parquet(table: pa.Table, path: Path) -> None:
-    """Write `table` to a temp file beside `path`, then move it into place atomically."""
+    """Write `table` (pages with CRC checksums) to a temp file beside `path`, make it durable, then
+    move it into place atomically and make the move durable: after a power loss the file is
+    either the old one or the whole new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     pq.write_table(table, tmp, **PARQUET_OPTIONS)
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Writer:
@@ -132,11 +144,13 @@ class Writer:
         return self.record_tensor(step, layer, g, stream="activation_grad", kind=kind, unit_axis=unit_axis, **kw)
 
     def record_param_grad(self, step: int, layer: str, param: str, g, *, kind: str = "other",
-                          unit_axis: int | None = 0, **kw):
-        """The gradient of one parameter tensor (unit axis 0: output features / channels)."""
+                          unit_axis: int | None = 0, per_unit: bool = False, histogram: bool = False, **kw):
+        """The gradient of one parameter tensor, layer-level by default as the PyTorch Monitor
+        records it (norm, extremes, zeros, NaN/Inf: what gradient rules read, at every step);
+        `per_unit=True, histogram=True` for the full reading (unit axis 0: output features)."""
         unit_axis = unit_axis if np.ndim(g) else None
         return self.record_tensor(step, layer, g, stream="param_grad", kind=kind, unit_axis=unit_axis,
-                                  param=param, **kw)
+                                  param=param, per_unit=per_unit, histogram=histogram, **kw)
 
     def record_param(self, step: int, layer: str, param: str, w, *, kind: str = "other",
                      unit_axis: int | None = 0, per_unit: bool = True, histogram: bool = True, **context):
@@ -170,7 +184,7 @@ class Writer:
         self.flush()
         self.closed = True
         parts = sorted(self.parts.glob("part-*.parquet"))
-        tables = [pq.read_table(p) for p in parts]
+        tables = [pq.read_table(p, page_checksum_verification=True) for p in parts]
         if tables:
             table = pa.concat_tables(tables).replace_schema_metadata(metadata.encode(self.meta))
         else:

@@ -155,3 +155,23 @@ def test_the_core_imports_without_any_framework_or_the_analyzer():
     code = ("import sys, actrace; bad = [m for m in ('torch', 'onnxruntime', 'onnx', 'polars', 'altair') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_flipped_bit_in_a_data_page_is_corruption_not_a_number(tmp_path):
+    """Pages carry CRC checksums that the reader and the validator verify."""
+    import pyarrow.parquet as pq
+
+    from actrace.validate import validate
+
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        for step in range(5):
+            w.record_activation(step, "fc", np.random.default_rng(step).normal(size=(64, 256)).astype(np.float32),
+                                kind="linear")
+    data = bytearray((tmp_path / "t.parquet").read_bytes())
+    rg = pq.ParquetFile(tmp_path / "t.parquet").metadata.row_group(0)
+    col = next(rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema.startswith("unit_sum"))
+    data[col.data_page_offset + col.total_compressed_size // 2] ^= 0x01
+    (tmp_path / "bad.parquet").write_bytes(data)
+    assert any("CRC checksum" in str(p) for p in validate(tmp_path / "bad.parquet"))
+    with pytest.raises(actrace.TraceError, match="bad.parquet.*CRC checksum"):
+        actrace.read_table(tmp_path / "bad.parquet")
