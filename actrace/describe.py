@@ -45,7 +45,7 @@ def format_description(d: dict) -> str:
         f"  framework  {m.get('framework')} {m.get('framework_version')}  via {m.get('adapter')} "
         f"{m.get('adapter_version')}",
         f"  host       {m.get('host')}",
-        f"  created    {m.get('created')}   mode {m.get('mode') or '-'}",
+        f"  created    {m.get('created')}   mode {m.get('mode') or '-'}   status {m.get('status') or '-'}",
         f"  probe      {m.get('probe_fingerprint') or '-'}  ({m.get('probe_size') or '?'} examples)",
         f"  config     {json.dumps(m.get('config'))}",
         f"  steps      {d['steps']['count']} (from {d['steps']['first']} to {d['steps']['last']})",

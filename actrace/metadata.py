@@ -17,7 +17,7 @@ from .schema import SPEC_MAJOR, SPEC_VERSION
 
 PREFIX = "actrace:"
 KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
-        "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode")
+        "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode", "status")
 
 
 class TraceError(Exception):
@@ -37,6 +37,7 @@ def make(*, run: str, framework: str, framework_version: str | None, adapter: st
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": json.dumps(config or {}, sort_keys=True, default=str),
         "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""), "mode": mode or "",
+        "status": "running",  # until the writer closes: `complete`, or `failed: TYPE`
     }
 
 

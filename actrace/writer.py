@@ -6,9 +6,11 @@ parts into `NAME.parquet` atomically and removes them.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,22 @@ from .table import readings_to_table
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
     "run", "layer", "kind", "stream", "param", "dtype", "mode", "probe_fingerprint"],
     write_statistics=["run", "step", "layer", "stream"], write_page_checksum=True)
+
+
+_open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    """At interpreter exit, close every writer nobody closed (a script without `with`/`close()`):
+    status `failed: TYPE` after an uncaught exception, else `closed at exit` (the outcome unknown:
+    a clean end and `sys.exit(7)` look alike from here)."""
+    import sys
+
+    uncaught = getattr(sys, "last_value", None)
+    for w in list(_open_writers):
+        if not w.closed:
+            w.close(uncaught, at_exit=True)
 
 
 def parts_dir(path: Path) -> Path:
@@ -81,6 +99,7 @@ class Writer:
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
         self._last_step: dict[tuple[str, str, str | None], int] = {}
         self._n_parts = 0
+        _open_writers.add(self)
         self._last_flush = time.monotonic()
         self.readings_written = 0
         self.closed = False
@@ -92,7 +111,14 @@ class Writer:
         if exc_type is not None and not self._rows and not self.readings_written:
             self.discard()  # failed before recording anything: leave no empty trace behind
         else:
-            self.close()  # keep what was recorded, even when the run failed part way
+            self.close(exc)  # keep what was recorded, even when the run failed part way
+
+    def __del__(self) -> None:  # a writer nobody closed: what it buffered is not lost
+        if not getattr(self, "closed", True):
+            try:
+                self.close()
+            except Exception:  # at interpreter shutdown modules may be gone; the part files remain
+                pass
 
     def discard(self) -> None:
         """Close without writing a trace (only sensible when nothing was recorded)."""
@@ -177,10 +203,13 @@ class Writer:
         self.readings_written += len(self._rows)
         self._rows.clear()
 
-    def close(self) -> Path:
-        """Flush, compact the part files into the trace atomically, remove the parts."""
+    def close(self, failed: BaseException | None = None, *, at_exit: bool = False) -> Path:
+        """Flush, compact the part files into the trace atomically, remove the parts. The trace's
+        `status` says `complete`, or `failed: TYPE` when the run ended with exception `failed`."""
         if self.closed:
             return self.path
+        self.meta["status"] = f"failed: {type(failed).__name__}" if failed is not None else \
+            "closed at exit" if at_exit else "complete"
         self.flush()
         self.closed = True
         parts = sorted(self.parts.glob("part-*.parquet"))

@@ -95,11 +95,15 @@ class Monitor:
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
         self._warned_again = False
+        self._last_step = self._last_probe = None
+        self._fresh_grads, self._warned_stale = False, False
         self._handles, self._grad_tracing = [], False
         if activation_grads:
             self._grad_trace = ForwardTrace(self.inner, self._hook_grad, self._wanted)
             self._handles = [self.inner.register_forward_pre_hook(self._start_grad_trace),
                              self.inner.register_forward_hook(self._stop_grad_trace, always_call=True)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._grad_arrived)
+                          for *_, p in self._parameters() if p.requires_grad]
         self.closed = False
 
     @property
@@ -224,6 +228,7 @@ class Monitor:
     # -- readings --------------------------------------------------------------------------
     def probe_reading(self, step: int) -> int:
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
+        self._last_probe = step
         fingerprint = self._probe.check()
         merged: dict[str, Pending] = {}
         with self._evaluation():
@@ -264,11 +269,19 @@ class Monitor:
         scale = self._scale()
         return grad if scale == 1.0 else grad / scale
 
+    def _grad_arrived(self, _param) -> None:
+        self._fresh_grads = True
+
     def gradient_reading(self, step: int) -> int:
         """Record every parameter's gradient (layer-level: norm, extremes, zeros, NaN/Inf), and the
         activation gradients captured in the last backward when `activation_grads` is on. Under a
         loss scaler the gradients are read unscaled, and a step it will skip (a NaN or Inf) has
         mode `skipped`."""
+        if not self._fresh_grads and not self._warned_stale and any(True for _ in self._parameters()):
+            warnings.warn(f"actrace: step {step}: no gradient arrived since the last gradient reading; call "
+                          "mon.step(step) after loss.backward() and before optimizer.zero_grad()", stacklevel=3)
+            self._warned_stale = True
+        self._fresh_grads = False
         pending = [reduce_tensor(self._unscaled(p.grad), 0 if p.ndim else None, kind, layer=name,
                                  stream="param_grad", param=pname, per_unit=False, histogram=False)
                    for name, kind, pname, p in self._parameters() if p.grad is not None]
@@ -319,21 +332,26 @@ class Monitor:
         if step % self.param_every == 0:
             self.parameter_reading(step)
         self._steps_seen += 1
+        self._last_step = step
 
-    def close(self):
-        """Remove the hooks and write the trace (compacting its part files)."""
+    def close(self, failed: BaseException | None = None):
+        """A last probe reading at the last step if `probe_every` skipped it (trend rules need the
+        end of a run), then remove the hooks and write the trace (compacting its part files);
+        `failed`: the exception the run ended with, recorded in the trace's status."""
         if self.closed:
             return None
+        if failed is None and self._last_step is not None and self._last_probe != self._last_step:
+            self.probe_reading(self._last_step)
         self.closed = True
         for h in self._handles:
             h.remove()
-        return self.writer.close() if self.writer is not None else None
+        return self.writer.close(failed) if self.writer is not None else None
 
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)
 
 
 def _signature(t: torch.Tensor) -> float:

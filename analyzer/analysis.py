@@ -28,7 +28,7 @@ class Analysis:
     @cached_property
     def findings(self) -> list[Finding]:
         """The findings rules over the metrics, most urgent first."""
-        return findings(self.metrics, self.rules)
+        return findings(self.metrics, self.rules, self.runs)
 
     @property
     def baseline(self) -> str | None:

@@ -63,6 +63,9 @@ ADVICE = {
     "exploding_gradients": "unstable updates, divergence ahead: clip gradients, lower the LR",
     "probe_changed": "use the same fixed probe batch at every reading, or the numbers compare different data",
     "train_mode": "read activations in eval mode: dropout and batch statistics distort dead fraction",
+    "run_unfinished": "the trace was never closed: the run is still going, or was killed; its part files are "
+                      "what was flushed",
+    "run_failed": "the run ended with an exception; its readings up to then are kept",
     "scaler_skipped": "the loss scaler skipped these updates and lowered its scale: normal now and then under "
                       "mixed precision; often in a row, lower the LR or the initial scale",
 }
@@ -233,12 +236,28 @@ def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
     return out
 
 
-def findings(m: pl.DataFrame, rules: Rules = Rules()) -> list[Finding]:
+def status_findings(runs: list[dict]) -> list[Finding]:
+    """A run whose trace says it did not finish (metadata `status`: `running` left by a writer
+    that never closed, or `failed: TYPE`)."""
+    out = []
+    for meta in runs:
+        status = meta.get("status", "")
+        if status == "running":
+            out.append(_finding("warning", "run_unfinished", meta.get("run_name"), "-", -1,
+                                f"{meta['file']} was not closed (status running)"))
+        elif status.startswith("failed"):
+            out.append(_finding("warning", "run_failed", meta.get("run_name"), "-", -1,
+                                f"the run ended with an exception ({status})"))
+    return out
+
+
+def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = ()) -> list[Finding]:
     """All findings over a metrics frame, most urgent first."""
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
     m = m.filter(~skipped)
     found += _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
+    found += status_findings(list(runs))
     # a NaN first: nothing else in a NaN run can be trusted
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
 

@@ -214,3 +214,45 @@ def test_the_monitor_records_one_reading_per_step_and_names_a_restart(tmp_path):
             mon.probe_reading(3)
     steps = [r["step"] for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()]
     assert steps == [10, 10]  # layers 0 and 1, once each
+
+
+def test_an_unclosed_writer_keeps_its_readings_and_a_failed_run_says_so(tmp_path, cli):
+    import subprocess
+    import sys
+
+    script = ("import numpy as np, actrace\n"
+              f"w = actrace.Writer({str(tmp_path / 'open.parquet')!r}, run='open', flush_every=10**9)\n"
+              "for s in range(30): w.record_activation(s, 'fc', np.ones((2, 2), np.float32), kind='relu')\n")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0  # no with, no close()
+    assert actrace.read_table(tmp_path / "open.parquet").num_rows == 30
+    with pytest.raises(RuntimeError):
+        with actrace.Writer(tmp_path / "failed.parquet", run="failed") as w:
+            w.record_activation(0, "fc", np.ones((2, 2), np.float32), kind="relu")
+            raise RuntimeError("diverged")
+    inspect = cli("inspect", tmp_path / "failed.parquet").stdout
+    assert "status failed: RuntimeError" in inspect
+    killed = ("import os, numpy as np, actrace\n"
+              f"w = actrace.Writer({str(tmp_path / 'killed.parquet')!r}, run='killed', flush_every=5)\n"
+              "for s in range(12): w.record_activation(s, 'fc', np.ones((2, 2), np.float32), kind='relu')\n"
+              "os.kill(os.getpid(), 9)\n")
+    assert subprocess.run([sys.executable, "-c", killed]).returncode == -9  # no exit handler runs
+    found = cli("findings", tmp_path / "failed.parquet", tmp_path / "open.parquet", tmp_path / "killed.parquet.parts",
+                "--format", "json").stdout
+    assert [(f["rule"], f["run"]) for f in json.loads(found)] == [("run_failed", "failed"),
+                                                                ("run_unfinished", "killed")]
+
+
+def test_the_monitor_reads_the_end_of_a_short_run_and_says_when_no_gradient_came(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, torch.randn(8, 4), tmp_path / "m.parquet", probe_every=200) as mon:
+        with pytest.warns(UserWarning, match="no gradient arrived"):
+            mon.step(0)  # before backward(): nothing to read
+        for step in range(1, 150):
+            opt.zero_grad()
+            model(torch.randn(16, 4)).sum().backward()
+            mon.step(step)
+            opt.step()
+    probe_steps = sorted({r["step"] for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()
+                          if r["stream"] == "activation"})
+    assert probe_steps == [0, 149]  # the first and, whatever probe_every says, the last

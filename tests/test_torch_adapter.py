@@ -329,5 +329,6 @@ def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli
     meta = read_source(tmp_path / "runs" / "a.parquet")[1]
     assert meta["run_name"] == "baseline" and meta["config"] == '{"lr": 0.1}' and len(d) > 0
     crash = cli("record", "-o", tmp_path / "runs" / "b.parquet", "--", "python", script, "crash")
-    assert crash.returncode == 7 and "not compacted" in crash.stderr
-    assert len(actrace.read_table(tmp_path / "runs" / "b.parquet.parts")) == len(d)
+    assert crash.returncode == 7 and "runs/b.parquet: " in crash.stderr  # closed at exit: nothing lost
+    assert len(actrace.read_table(tmp_path / "runs" / "b.parquet")) == len(d)
+    assert read_source(tmp_path / "runs" / "b.parquet")[1]["status"] == "closed at exit"
