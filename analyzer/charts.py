@@ -11,9 +11,18 @@ import polars as pl
 RUN_COLORS = alt.Scale(scheme="category20")
 
 
-def _select(name: str, options: list[str], label: str, default: str | None = None) -> alt.Parameter:
+def _select(name: str, options: list[str], label: str, default: str | None = None,
+            labels: list[str] | None = None) -> alt.Parameter:
     value = default if default in options else options[0]
-    return alt.param(name=name, value=value, bind=alt.binding_select(options=options, name=label))
+    return alt.param(name=name, value=value, bind=alt.binding_select(options=options, name=label,
+                                                                     labels=labels or alt.Undefined))
+
+
+def inline(df: pl.DataFrame) -> alt.InlineData:
+    """A frame as inline CSV, once for every chart of a section: a third of the size of JSON rows,
+    which repeat every key (the page's size is its data)."""
+    parse = {c: "number" for c, t in df.schema.items() if t.is_numeric()}
+    return alt.InlineData(values=df.write_csv(), format=alt.DataFormat(type="csv", parse=parse))
 
 
 def _plottable(df: pl.DataFrame, column: str) -> pl.DataFrame:
@@ -24,34 +33,48 @@ def _plottable(df: pl.DataFrame, column: str) -> pl.DataFrame:
     return df.filter(keep)
 
 
+def _drawable(column: str):
+    """The same test in the chart, for data shared by charts of several columns."""
+    valid = f"isValid(datum['{column}']) && isFinite(datum['{column}'])"
+    return valid + (f" && datum['{column}'] > 0" if column == "grad_norm" else "")
+
+
 def _layer_axis(n_layers: int, sort) -> alt.Y:
     return alt.Y("layer:N", sort=sort, title="layer (input → output)",
                  axis=alt.Axis(labelLimit=220, labelFontSize=10 if n_layers < 60 else 7,
                                labels=n_layers <= 120))
 
 
-def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str]], default_run=None) -> alt.HConcatChart:
-    """Per run (chosen in a menu), a layer × step heatmap for each (column, title, scheme)."""
-    runs = df["run"].unique(maintain_order=True).to_list()
+def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], runs: list[str],
+                   default_run=None) -> alt.HConcatChart:
+    """Per run (chosen in a menu, in the order of `runs`), a layer × step heatmap for each
+    (column, title, colour at 1, why a run may have none); 0 is near white, so a healthy layer
+    looks healthy, and a run with nothing to show in a panel gets that reason written there."""
+    runs = [r for r in runs if r in set(df["run"])]
     run = _select("heatmap_run", runs, "run ", default_run)
     order = df.select("layer", "layer_index").unique().sort("layer_index")["layer"].to_list()
     n_layers = len(order)
     height = min(max(12 * n_layers, 160), 1800)
     charts = []
-    for column, title, scheme in metrics:
+    for column, title, colour, why in metrics:
         if column not in df.columns or df[column].is_null().all():
             continue
         log = column == "grad_norm"
         data = _plottable(df, column)
-        charts.append(alt.Chart(data.select("run", "layer", "layer_index", "step", column))
-                      .mark_rect().encode(
+        scale = alt.Scale(type="log", scheme="blues") if log else alt.Scale(domain=[0, 1], range=["#f7f7f7", colour])
+        rects = alt.Chart().mark_rect().encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=_layer_axis(n_layers, order),
-            color=alt.Color(f"{column}:Q", title=title, scale=alt.Scale(
-                scheme=scheme, type="log" if log else "linear", **({} if log else {"domain": [0, 1]}))),
+            color=alt.Color(f"{column}:Q", title=title, scale=scale),
             tooltip=["layer:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
-        ).transform_filter(alt.datum.run == run).properties(title=title, width=260, height=height))
-    return alt.hconcat(*charts).add_params(run).resolve_scale(color="independent")
+        ).transform_filter(alt.datum.run == run).transform_filter(_drawable(column))
+        empty = [r for r in runs if r not in set(data["run"])]
+        note = alt.Chart(pl.DataFrame({"run": empty, "note": [why] * len(empty)}, schema={
+            "run": pl.String, "note": pl.String})).mark_text(fontSize=12, color="#666", lineBreak="|").encode(
+            text="note:N", x=alt.value(130), y=alt.value(height / 2)).transform_filter(alt.datum.run == run)
+        charts.append(alt.layer(rects, note).properties(title=title, width=260, height=height))
+    columns = ["run", "layer", "step"] + [c for c, *_ in metrics if c in df.columns]
+    return alt.hconcat(*charts, data=inline(df.select(columns))).add_params(run).resolve_scale(color="independent")
 
 
 def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
@@ -59,22 +82,26 @@ def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
     """Per aligned layer (chosen in a menu), each metric over x with runs overlaid; click the
     legend to highlight one run."""
     layers = df.sort("layer_index")["aligned"].unique(maintain_order=True).to_list()
-    layer = _select("trend_layer", layers, "layer ", default_layer)
+    names = df.group_by("aligned").agg(pl.col("layer").unique(maintain_order=True))
+    own = dict(zip(names["aligned"], names["layer"].to_list()))
+    labels = [", ".join(own[a][:3]) + ("" if own[a] == [a] else f"  ({a})") for a in layers]
+    layer = _select("trend_layer", layers, "layer ", default_layer, labels)
     highlight = alt.selection_point(name="trend_run", fields=["run"], bind="legend")
     charts = []
     for column, title in columns:
         if column not in df.columns or df[column].is_null().all():
             continue
-        data = _plottable(df, column).select("run", "aligned", "x", "step", column)
-        charts.append(alt.Chart(data).mark_line(point=True).encode(
+        charts.append(alt.Chart().mark_line(point=True).encode(
             x=alt.X("x:Q", title=x_title), y=alt.Y(f"{column}:Q", title=title,
                                                    scale=alt.Scale(type="log") if column == "grad_norm" else alt.Undefined),
             color=alt.Color("run:N", scale=RUN_COLORS),
             opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
             tooltip=["run:N", "aligned:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
-        ).transform_filter(alt.datum.aligned == layer).properties(title=title, width=340, height=200))
+        ).transform_filter(alt.datum.aligned == layer).transform_filter(_drawable(column)).properties(
+            title=title, width=340, height=200))
     rows = [alt.hconcat(*charts[i: i + 2]) for i in range(0, len(charts), 2)]
-    return alt.vconcat(*rows).add_params(layer, highlight)
+    data = df.select("run", "aligned", "x", "step", *[c for c, _ in columns if c in df.columns])
+    return alt.vconcat(*rows, data=inline(data)).add_params(layer, highlight)
 
 
 def histogram_over_time(hist: pl.DataFrame, default_pair: str | None = None) -> alt.Chart:
@@ -83,7 +110,7 @@ def histogram_over_time(hist: pl.DataFrame, default_pair: str | None = None) -> 
     pair = _select("hist_pair", pairs, "run · layer ", default_pair)
     n_bins = hist["bin"].n_unique()
     order = hist.select("bin", "bin_label").unique().sort("bin", descending=True)["bin_label"].to_list()
-    return alt.Chart(hist).mark_rect().encode(
+    return alt.Chart(inline(hist.select("pair", "step", "bin_label", "count", "share"))).mark_rect().encode(
         x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
         y=alt.Y("bin_label:N", sort=order, title="value bin", axis=alt.Axis(labelFontSize=9 if n_bins < 50 else 7)),
         color=alt.Color("share:Q", title="share of values", scale=alt.Scale(type="log", scheme="viridis")),

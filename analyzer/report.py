@@ -7,6 +7,7 @@ embedded as JSON with `<` escaped so no string can close the script element.
 from __future__ import annotations
 
 import html
+import warnings
 import json
 from pathlib import Path
 
@@ -19,9 +20,20 @@ from .analysis import Analysis
 from .findings import Finding, group
 from .metrics import last_reading
 
+# one legend selection drives the runs' highlight in every trend chart: Altair says it merged them
+warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
+
 MAX_STEPS = 60           # heatmap columns per run
-MAX_HIST_PAIRS = 40      # (run, layer) histograms embedded: layers with findings first
+MAX_TREND_STEPS = 40     # points per run on a trend line
+MAX_HIST_PAIRS = 12      # (run, layer) histograms embedded: layers with findings first
 MAX_HIST_STEPS = 24
+SIG_DIGITS = 3           # floats in the embedded data: what a chart or a tooltip resolves
+
+
+def _compact(df: pl.DataFrame) -> pl.DataFrame:
+    """Floats rounded to SIG_DIGITS significant digits: the page's size is its data's text."""
+    floats = [c for c, t in df.schema.items() if t in (pl.Float64, pl.Float32)]
+    return df.with_columns(pl.col(floats).round_sig_figs(SIG_DIGITS)) if floats else df
 
 
 def _thin_steps(df: pl.DataFrame, limit: int) -> pl.DataFrame:
@@ -151,6 +163,10 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
     if grads.height:
         heat = pl.concat([heat, grads.select("run", "layer", "layer_index", "step", "grad_norm")],
                          how="diagonal_relaxed")
+    heat = _compact(heat)
+    # the menus open on the baseline, then the runs in the order given
+    first = baseline or analysis.baseline
+    runs = [first] + [r.get("run_name") for r in analysis.runs if r.get("run_name") != first]
     specs, sections = {}, []
     focus = next((f for f in found if f.rule.startswith(("dead", "saturation"))), found[0] if found else None)
     focus_aligned = None
@@ -167,12 +183,17 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
     if heat.height:
         section("Layers × steps", "Per run (menu): dead fraction, saturated share of values and gradient norm "
                 "for every layer and step. Layers run from input (top) to output.", "heatmaps",
-                charts.layer_heatmaps(heat, [("dead_fraction", "dead fraction", "reds"),
-                                             ("saturation_value", "saturation (values)", "oranges"),
-                                             ("grad_norm", "gradient norm", "blues")],
-                                      default_run=focus.run if focus else None))
+                charts.layer_heatmaps(heat, [
+                    ("dead_fraction", "dead fraction", "#b2182b", "no activation readings in this run"),
+                    ("saturation_value", "saturation (values)", "#d94801",
+                     "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
+                    ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)")],
+                    runs, default_run=focus.run if focus else first))
     progress("drawing trends")
-    trend_src = pl.concat([acts, grads], how="diagonal_relaxed")
+    trend_src = _compact(pl.concat([_thin_steps(acts, MAX_TREND_STEPS), _thin_steps(grads, MAX_TREND_STEPS)],
+                                   how="diagonal_relaxed").select(
+        "run", "layer", "layer_index", "aligned", "x", "step", "dead_fraction", "sparsity", "saturation_value",
+        "grad_norm"))
     if trend_src.height:
         section("Trends", "Per layer (menu, aligned across runs): runs overlaid; click a run in the legend "
                 "to highlight it. Saturation exists for bounded kinds only (tanh, sigmoid, …), gradient norms for "
@@ -186,14 +207,17 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
         section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "
                 "Exploding: above 1 and rising.", "profile", charts.gradient_profile(last))
     progress("reading histograms")
-    flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found]
-    layer_pairs = acts.select("run", "layer", "layer_index").unique().sort("run", "layer_index")
-    pairs = list(dict.fromkeys(flagged + [tuple(r) for r in layer_pairs.select("run", "layer").rows()]))
-    hist = histogram_frame(analysis.histograms(pairs[:MAX_HIST_PAIRS]))
+    flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found
+                                                               if f.stream == "activation"]
+    pairs = list(dict.fromkeys(flagged))[:MAX_HIST_PAIRS]
+    if not pairs:  # no finding on an activation: the first run's layers
+        pairs = [tuple(r) for r in acts.filter(pl.col("run") == first).select("run", "layer").unique(
+            maintain_order=True).rows()][:MAX_HIST_PAIRS]
+    hist = _compact(histogram_frame(analysis.histograms(pairs)))
     if hist.height:
         section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
-                f"own). Shown for {min(len(pairs), MAX_HIST_PAIRS)} of {len(pairs)} layers, those with findings "
-                "first.", "histogram", charts.histogram_over_time(
+                f"own), for {len(pairs)} layer(s) with findings; every reading's histogram is in the traces' "
+                "`hist` column.", "histogram", charts.histogram_over_time(
                     hist, f"{focus.run} · {focus.layer}" if focus else None))
     progress("writing page")
     runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",

@@ -6,7 +6,10 @@ import shutil
 
 import pytest
 
-from traces import write_run
+import numpy as np
+
+import actrace
+from traces import relu_layer, write_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<img src=x onerror=alert(1)></script><b>"
@@ -22,8 +25,11 @@ def report(tmp_path_factory, ):
     write_run(d / "healthy.parquet", "healthy")
     write_run(d / "dying.parquet", "dying", dead=lambda s: s // 25)
     write_run(d / "hostile.parquet", HOSTILE, layer_names=[HOSTILE, "b1", "b2", "b3", "b4", "b5", "out"])
-    res = run_cli("report", d / "healthy.parquet", d / "dying.parquet", d / "hostile.parquet", "-o",
-                  d / "report.html", "--baseline", "healthy")
+    with actrace.Writer(d / "relu-only.parquet", run="relu-only") as w:  # as an ONNX run: no gradients, no tanh
+        for step in range(0, 600, 100):
+            w.record_activation(step, "block0.relu", relu_layer(np.random.default_rng(step), 32, 0), kind="relu")
+    res = run_cli("report", d / "dying.parquet", d / "healthy.parquet", d / "hostile.parquet", d / "relu-only.parquet",
+                  "-o", d / "report.html", "--baseline", "healthy")
     assert res.returncode == 0, res.stderr
     assert "computing metrics" in res.stderr and "writing page" in res.stderr  # progress is shown
     return d / "report.html"
@@ -55,6 +61,26 @@ def test_report_renders_offline_with_every_chart_and_no_script_error(report):
     assert "Differences from the baseline run healthy" in page_text and "dead_fraction" in page_text
 
 
+def test_the_first_screen_opens_on_the_baseline_and_an_empty_panel_says_why(report):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page()
+        page.goto(report.as_uri())
+        page.wait_for_selector("#heatmaps svg .mark-rect", state="attached", timeout=20_000)
+        menu = page.locator("#heatmaps select")
+        options = menu.locator("option").all_inner_texts()
+        menu.select_option("relu-only")
+        page.wait_for_timeout(500)
+        panel_text = page.inner_text("#heatmaps")
+        shot = page.screenshot(full_page=False)
+        browser.close()
+    assert options[0] == "healthy" and options[1:3] == ["dying", HOSTILE]  # the baseline, then as given
+    assert "no gradient readings in this run" in panel_text and "no bounded layers in this run" in panel_text
+    assert len(shot) > 10_000
+
+
 def test_report_is_self_contained(report):
     text = report.read_text()
     assert "cdn.jsdelivr" not in text.split("const specs")[1]
@@ -63,6 +89,6 @@ def test_report_is_self_contained(report):
 
 def test_report_embeds_layers_in_depth_order(report):
     spec = json.loads(report.read_text().split("const specs = ")[1].split(";\nfor")[0])
-    heat = spec["heatmaps"]["hconcat"][0]
+    heat = spec["heatmaps"]["hconcat"][0]["layer"][0]
     order = heat["encoding"]["y"]["sort"]
     assert order.index("block0.relu") < order.index("block1.relu") < order.index("block5.relu") < order.index("out")
