@@ -184,6 +184,14 @@ class Monitor:
                 for o, _ in seen:
                     if o.name:
                         self.layer_index.setdefault(o.name, len(self.layer_index))
+                if not self.layer_index and len(passes) == 1 and (self.include or self.exclude or self.types):
+                    everything = ForwardTrace(self.inner, lambda o: names.append(o.name), lambda *_: True)
+                    names: list[str] = []
+                    with self._evaluation(), everything:
+                        Probe.call(self.inner, self._probe.first_chunk(self.probe_chunk))
+                    warnings.warn(f"actrace: no reading matches include={self.include} exclude={self.exclude} "
+                                  f"types={self.types}, so nothing will be recorded; the model's readings are: "
+                                  f"{', '.join(n for n in names if n)[:300]}", stacklevel=3)
                 lost = [o.name for o, _ in seen if o.name and o.axis is None and o.tensor > 1
                         and not any(fnmatch.fnmatch(o.name, p) for p in self.unit_axes)]
                 if lost:

@@ -64,10 +64,11 @@ def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", to
         raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(runs)}")
     bins = 20  # progress is compared on a grid of 5 % of training; steps compare exactly
     key = (pl.col("x") * bins).round() / bins if x == "progress" else pl.col("x")
-    long = (a.with_columns(key.alias("x")).unpivot(index=["run", "aligned", "stream", "x"], on=COMPARED,
+    long = (a.with_columns(key.alias("x")).unpivot(index=["run", "aligned", "stream", "x", "units"], on=COMPARED,
                                                   variable_name="metric").drop_nulls("value")
-            .group_by("run", "aligned", "stream", "x", "metric").agg(pl.col("value").mean()))
-    base = long.filter(pl.col("run") == baseline).drop("run").rename({"value": "baseline_value"})
+            .group_by("run", "aligned", "stream", "x", "metric").agg(pl.col("value").mean(), pl.col("units").max()))
+    base = long.filter(pl.col("run") == baseline).drop("run").rename({"value": "baseline_value",
+                                                                      "units": "baseline_units"})
     other = long.filter(pl.col("run") != baseline)
     joined = other.join(base, on=["aligned", "stream", "x", "metric"], how="inner")
     scale = pl.when(pl.col("metric").is_in(["grad_norm", "std"]))
@@ -76,7 +77,7 @@ def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", to
     return (joined.with_columns(diff.alias("difference"))
             .group_by("metric", "run", "aligned", "stream")
             .agg(pl.col("value").mean(), pl.col("baseline_value").mean(), pl.col("difference").mean(),
-                 pl.len().alias("points"))
+                 pl.len().alias("points"), pl.col("units").max(), pl.col("baseline_units").max())
             .with_columns(pl.col("difference").abs().alias("_abs"))
             # float rounding is not a difference (two frameworks' kernels round apart); NaN runs are nan_inf's
             .filter((pl.col("_abs") > NOISE * pl.max_horizontal(pl.col("value").abs(), pl.col("baseline_value").abs(),

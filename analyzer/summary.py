@@ -39,6 +39,9 @@ def layer_table(m: pl.DataFrame) -> str:
         "run", "layer_index", nulls_last=True)
     header = f"  {'layer':<32} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'sparse':>7} {'sat.v':>6} " \
              f"{'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
+    legend = ("  dead: share of units zero for every probe input; sparse: share of values exactly 0 (not death); "
+              "sat.v / sat.u: saturated share of values / of units pinned for every input; grad: last parameter "
+              "gradient norm; - : does not apply (saturation: bounded kinds only)")
     lines = []
     for (run,), g in t.group_by(["run"], maintain_order=True):
         lines += [f"run {run}", header]
@@ -48,7 +51,7 @@ def layer_table(m: pl.DataFrame) -> str:
                 f"{_fmt(r['dead_fraction'], True):>6} {_fmt(r['sparsity'], True):>7} "
                 f"{_fmt(r['saturation_value'], True):>6} {_fmt(r['saturation_unit'], True):>6} "
                 f"{_fmt(r['mean']):>9} {_fmt(r['std']):>9} {_fmt(r['grad_norm']):>9}")
-    return "\n".join(lines)
+    return "\n".join(lines + [legend])
 
 
 def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
@@ -57,8 +60,10 @@ def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
     lines = [f"largest differences from baseline run {c['baseline'][0]} (log10 ratio for std and grad_norm):"]
     for (metric,), g in c.group_by(["metric"], maintain_order=True):
         for r in g.head(per_metric).iter_rows(named=True):
-            lines.append(f"  {metric:<17} {r['run']} / {r['aligned']}: {_fmt(r['value'])} vs {_fmt(r['baseline_value'])}"
-                         f"  (difference {r['difference']:+.3g})")
+            units = "" if r["units"] == r["baseline_units"] else \
+                f"  [{_fmt(r['units'])} vs {_fmt(r['baseline_units'])} units: different layers?]"
+            lines.append(f"  {metric:<17} {r['run']} / {r['aligned']} ({r['stream']}): {_fmt(r['value'])} vs "
+                         f"{_fmt(r['baseline_value'])}  (difference {r['difference']:+.3g}){units}")
     return "\n".join(lines)
 
 

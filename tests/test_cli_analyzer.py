@@ -71,6 +71,6 @@ def test_a_mapping_file_aligns_layers_of_differently_named_runs(cli, tmp_path):
                                       "b,x2,block2.relu\nb,out,head.tanh\n")
     res = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "map.csv")
     assert res.returncode == 0, res.stderr
-    assert "dead_fraction     b / block2.relu: 0.5 vs 0  (difference +0.5)" in res.stdout
+    assert "dead_fraction     b / block2.relu (activation): 0.5 vs 0  (difference +0.5)" in res.stdout
     bad = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "nope.csv")
     assert bad.returncode == 2 and "nope.csv" in bad.stderr and "not a layer mapping" in bad.stderr

@@ -59,3 +59,27 @@ def test_a_missing_extra_is_named_with_the_pip_command(tmp_path):
             f"from actrace.cli import main; sys.exit(main(['demo', '-o', {str(tmp_path / 'd')!r}]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 2 and "pip install 'actrace[torch]'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_summary_explains_its_columns_and_names_streams_and_unit_mismatches(tmp_path, cli):
+    rng = np.random.default_rng(0)
+    for run, units in (("a", 64), ("b", 3)):
+        with actrace.Writer(tmp_path / f"{run}.parquet", run=run) as w:
+            for step in range(3):
+                w.record_activation(step, "fc", np.abs(rng.normal(size=(16, units))).astype(np.float32) * (
+                    1 if run == "a" else 5), kind="relu")
+    out = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--baseline", "a").stdout
+    assert "sat.v / sat.u: saturated share of values / of units pinned for every input" in out
+    assert "b / fc (activation):" in out and "[3 vs 64 units: different layers?]" in out
+
+
+def test_a_monitor_that_selects_nothing_says_so_at_construction(tmp_path):
+    import pytest
+    import torch
+    from torch import nn
+
+    from actrace.adapters.torch import Monitor
+
+    with pytest.warns(UserWarning, match=r"no reading matches include=\['attn\*'\].*readings are: 0, 1"):
+        Monitor(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch.randn(3, 2), tmp_path / "m.parquet",
+                include=["attn*"]).close()
