@@ -78,9 +78,10 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
 
 
 def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
-                default_layer=None) -> alt.VConcatChart:
+                default_layer=None, why: dict[str, str] | None = None) -> alt.VConcatChart:
     """Per aligned layer (chosen in a menu), each metric over x with runs overlaid; click the
-    legend to highlight one run."""
+    legend to highlight one run. A layer with nothing to show in a chart gets `why[column]`."""
+    why = why or {}
     layers = df.sort("layer_index")["aligned"].unique(maintain_order=True).to_list()
     names = df.group_by("aligned").agg(pl.col("layer").unique(maintain_order=True))
     own = dict(zip(names["aligned"], names["layer"].to_list()))
@@ -91,14 +92,20 @@ def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
     for column, title in columns:
         if column not in df.columns or df[column].is_null().all():
             continue
-        charts.append(alt.Chart().mark_line(point=True).encode(
+        lines = alt.Chart().mark_line(point=True).encode(
             x=alt.X("x:Q", title=x_title), y=alt.Y(f"{column}:Q", title=title,
                                                    scale=alt.Scale(type="log") if column == "grad_norm" else alt.Undefined),
             color=alt.Color("run:N", scale=RUN_COLORS),
             opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
             tooltip=["run:N", "aligned:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
-        ).transform_filter(alt.datum.aligned == layer).transform_filter(_drawable(column)).properties(
-            title=title, width=340, height=200))
+        ).transform_filter(alt.datum.aligned == layer).transform_filter(_drawable(column))
+        has = set(_plottable(df, column)["aligned"])
+        empty = [a for a in layers if a not in has]
+        note = alt.Chart(pl.DataFrame({"aligned": empty, "note": [why.get(column, "nothing to show")] * len(empty)},
+                                      schema={"aligned": pl.String, "note": pl.String})).mark_text(
+            fontSize=12, color="#666").encode(text="note:N", x=alt.value(170), y=alt.value(100)).transform_filter(
+            alt.datum.aligned == layer)
+        charts.append(alt.layer(lines, note).properties(title=title, width=340, height=200))
     rows = [alt.hconcat(*charts[i: i + 2]) for i in range(0, len(charts), 2)]
     data = df.select("run", "aligned", "x", "step", *[c for c, _ in columns if c in df.columns])
     return alt.vconcat(*rows, data=inline(data)).add_params(layer, highlight)

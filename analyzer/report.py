@@ -201,7 +201,11 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
                 charts.trend_lines(trend_src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
                                                ("saturation_value", "saturation (values)"),
                                                ("grad_norm", "gradient norm")],
-                                   "fraction of training" if x == "progress" else "step", default_layer=focus_aligned))
+                                   "fraction of training" if x == "progress" else "step", default_layer=focus_aligned,
+                                   why={"saturation_value": "not a bounded kind: no saturation",
+                                        "grad_norm": "no parameters, or no gradient readings",
+                                        "dead_fraction": "no activation readings",
+                                        "sparsity": "no activation readings"}))
     if grads.height:
         last = last_reading(grads, "run")
         section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "

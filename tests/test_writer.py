@@ -175,3 +175,12 @@ def test_a_flipped_bit_in_a_data_page_is_corruption_not_a_number(tmp_path):
     assert any("CRC checksum" in str(p) for p in validate(tmp_path / "bad.parquet"))
     with pytest.raises(actrace.TraceError, match="bad.parquet.*CRC checksum"):
         actrace.read_table(tmp_path / "bad.parquet")
+
+
+def test_the_numpy_writer_records_gradients_layer_level_by_default_as_the_monitor_does(tmp_path):
+    with actrace.Writer(tmp_path / "g.parquet", run="g") as w:
+        w.record_param_grad(0, "fc", "weight", np.ones((64, 32), np.float32))
+        w.record_param_grad(1, "fc", "weight", np.ones((64, 32), np.float32), per_unit=True, histogram=True)
+    default, full = actrace.read_table(tmp_path / "g.parquet").to_pylist()
+    assert default["unit_sum"] is None and default["hist"] is None and default["sumsq"] == 64 * 32
+    assert len(full["unit_sum"]) == 64 and sum(full["hist"]) == 64 * 32
