@@ -239,6 +239,9 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
                 internal.add(id(add))
                 node = add
             found.append((node, "linear", module, cls, None))
+        elif op == "Gather" and node.input[0] in graph.init and len(graph.init[node.input[0]].dims) == 2 \
+                and not graph.is_const(node.input[1]):
+            found.append((node, "embedding", module, cls, None))  # a lookup in a weight table
         elif op in ("Gemm", "Conv", "ConvTranspose") or op in NORM_OPS:
             kind = OP_KINDS[op]
             if op == "Conv" and _is_folded_bn(graph, node, module, cls):
@@ -287,7 +290,7 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
             kind = "attention"
         if module is None:
             name = node.name or node.output[0]
-        elif kind in ("linear", "conv", "norm", "attention") or _is_module(node, kind, module, cls, owned):
+        elif kind in ("linear", "conv", "norm", "attention", "embedding") or _is_module(node, kind, module, cls, owned):
             name = module or kind
         else:
             name = f"{module}.{kind}" if module else kind
@@ -309,7 +312,7 @@ def _sole_owners(graph: Graph, found) -> set[str]:
             compute.setdefault(module, []).append(n)
     activations = {}
     for node, kind, module, _, _ in found:
-        if kind not in ("linear", "conv", "norm"):
+        if kind not in ("linear", "conv", "norm", "embedding"):
             activations.setdefault(module, []).append(node)
     parents = {m.rsplit(".", 1)[0] for m in compute if "." in m}
     return {m for m, acts in activations.items() if len(acts) == 1 and m and m not in parents and all(
@@ -317,9 +320,10 @@ def _sole_owners(graph: Graph, found) -> set[str]:
 
 
 def _is_module(node, kind: str, module: str, cls: str | None, owned: set[str]) -> bool:
-    if cls is not None:  # dynamo: the class says whether the module is the activation itself
-        return ".activation." in cls or cls.rsplit(".", 1)[-1].lower() in (kind.replace("_", ""), "swish")
-    return module in owned
+    """Whether the activation is the module itself (named by its path) rather than a call inside a
+    bigger module's forward: torch.nn's activation classes (dynamo's class hierarchy says), or any
+    leaf module whose only computing nodes are the activation's (HF's GELUActivation and the like)."""
+    return (cls is not None and ".activation." in cls) or module in owned
 
 
 def _axes(graph: Graph) -> dict[str, int | None]:
@@ -330,8 +334,9 @@ def _axes(graph: Graph) -> dict[str, int | None]:
         src = axes.get(data[0]) if data else None
         if op in CHANNELS:
             axis = 1
-        elif op in ("Gemm", "LayerNormalization") or (op == "MatMul" and len(data) == 1):
-            axis = -1
+        elif op in ("Gemm", "LayerNormalization") or (op == "MatMul" and len(data) == 1) or (
+                op == "Gather" and node.input[0] in graph.init and len(graph.init[node.input[0]].dims) == 2):
+            axis = -1  # features last (an embedding lookup's too)
         elif op in KEEP:
             axis = src
         elif op == "Transpose" and src is not None:

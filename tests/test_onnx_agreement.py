@@ -165,3 +165,41 @@ def test_an_axis_that_cannot_be_followed_is_one_unit_and_said_once(tmp_path):
     rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "t.parquet").to_pylist()}
     assert (rows["conv"]["unit_axis"], rows["conv"]["units"]) == (1, 3)
     assert (rows["act"]["unit_axis"], rows["act"]["units"]) == (None, 1)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_hugging_face_bert_and_its_export_agree_by_name(tmp_path, dynamo):
+    """Third-party model code: embeddings, HF's GELUActivation, attention Linears, LayerNorms."""
+    from transformers import BertConfig, BertModel
+
+    class LastHidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             max_position_embeddings=16, add_pooling_layer=False))
+
+        def forward(self, ids):
+            return self.bert(input_ids=ids).last_hidden_state
+
+    torch.manual_seed(0)
+    model, ids = LastHidden().eval(), torch.randint(0, 100, (8, 10))
+    with Monitor(model, ids, tmp_path / "torch.parquet") as mon:
+        mon.probe_reading(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = dict(dynamo=True, dynamic_shapes=({0: "batch"},), verbose=False) if dynamo else \
+            dict(dynamo=False, dynamic_axes={"ids": {0: "batch"}})
+        torch.onnx.export(model, (ids[:2],), tmp_path / "m.onnx", input_names=["ids"], **kw)
+    np.save(tmp_path / "probe.npy", ids.numpy())
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npy", tmp_path / "onnx.parquet", progress=False)
+    torch_rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "torch.parquet").to_pylist()}
+    onnx_rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "onnx.parquet").to_pylist()}
+    assert set(onnx_rows) <= set(torch_rows), set(onnx_rows) - set(torch_rows)
+    assert {"bert.embeddings.word_embeddings", "bert.encoder.layer.1.intermediate.intermediate_act_fn",
+            "bert.encoder.layer.1.attention.self.value", "bert.encoder.layer.1.output.LayerNorm"} <= set(onnx_rows)
+    for name, b in onnx_rows.items():
+        t = torch_rows[name]
+        assert (t["kind"], t["units"], t["count"]) == (b["kind"], b["units"], b["count"]), name
+        for col in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
+            np.testing.assert_allclose(b[col], t[col], rtol=1e-4, atol=1e-4, err_msg=f"{name} {col}")
