@@ -9,7 +9,7 @@ they cannot be followed the reading is one unit (`axis` None), never a guess.
 """
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass
 
 ACTIVATION_OPS = {
@@ -26,7 +26,6 @@ CHANNELS = {"Conv", "ConvTranspose", "BatchNormalization", "InstanceNormalizatio
 KEEP = set(ACTIVATION_OPS) | {"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Erf",
                               "Dropout", "Identity", "Cast", "Resize", "Upsample", "Pad", "Where", "Max", "Min",
                               "LogSoftmax", "Reciprocal", "Floor", "Ceil", "Round", "Sign", "Not", "Equal"}
-_TRAILING_NUMBER = re.compile(r"_\d+$")
 
 
 @dataclass
@@ -93,18 +92,11 @@ def _without_weights(model):
     g.input.extend(model.graph.input)
     g.output.extend(model.graph.output)
     for init in model.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL or _numel(init.dims) > 64:
+        if init.data_location == onnx.TensorProto.EXTERNAL or math.prod(init.dims) > 64:
             g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
         else:
             g.initializer.append(init)
     return light
-
-
-def _numel(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
 
 
 def scope(node) -> tuple[str | None, str | None]:
@@ -113,8 +105,8 @@ def scope(node) -> tuple[str | None, str | None]:
     its parents' path); the dynamo exporter leaves `pkg.torch.onnx.name_scopes`/`class_hierarchy`."""
     meta = {p.key: p.value for p in node.metadata_props}
     if "pkg.torch.onnx.name_scopes" in meta:
-        scopes = eval_list(meta["pkg.torch.onnx.name_scopes"])
-        classes = eval_list(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
+        scopes = _eval_list(meta["pkg.torch.onnx.name_scopes"])
+        classes = _eval_list(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
         return (scopes[-2] if len(scopes) >= 2 else ""), (classes[-2] if len(classes) >= 2 else None)
     if not node.name.startswith("/"):
         return None, None
@@ -124,7 +116,7 @@ def scope(node) -> tuple[str | None, str | None]:
     return path, None
 
 
-def eval_list(text: str) -> list[str]:
+def _eval_list(text: str) -> list[str]:
     """A Python list literal of strings, as the dynamo exporter writes its metadata."""
     import ast
 
