@@ -46,13 +46,24 @@ def encode(meta: dict[str, str]) -> dict[str, str]:
     return {PREFIX + k: v for k, v in meta.items()}
 
 
-def read(path: Path) -> dict[str, str]:
-    """The `actrace:` metadata of one Parquet file (unprefixed), refusing a file of another major
-    version with a message naming the version this actrace reads."""
+def open_file(path: Path) -> pq.ParquetFile:
+    """One Parquet file of a trace, opened once: its footer read, its pages' CRC checksums verified
+    as they are read (a flipped bit is corruption, not a number)."""
     try:
-        raw = pq.read_schema(path).metadata or {}
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
+
+
+def read(path: Path) -> dict[str, str]:
+    """The `actrace:` metadata of one Parquet file, as `parse` gives it."""
+    return parse(open_file(path).schema_arrow, path)
+
+
+def parse(schema: pa.Schema, path: Path) -> dict[str, str]:
+    """The `actrace:` metadata of a file's schema (unprefixed), refusing a file of another major
+    version with a message naming the version this actrace reads."""
+    raw = schema.metadata or {}
     meta = {k.decode()[len(PREFIX):]: v.decode() for k, v in raw.items() if k.decode().startswith(PREFIX)}
     version = meta.get("spec_version")
     if version is None:

@@ -69,10 +69,9 @@ def read_source(source: Path, columns: list[str] | None = None, *, when=None) ->
     want = [c for c in SCHEMA.names if columns is None or c in columns]
     tables, meta = [], {}
     for f in part_files(source):
-        meta = metadata.read(f)
-        present = set(known_columns(f))
+        pf = metadata.open_file(f)  # one footer read gives the metadata and the columns
+        meta, present = metadata.parse(pf.schema_arrow, f), set(pf.schema_arrow.names)
         try:
-            pf = pq.ParquetFile(f, page_checksum_verification=True)  # a flipped bit is corruption, not a number
             table = pf.read(columns=[c for c in want if c in present and c not in lazy])
             if lazy and needed(table):
                 extra = pf.read(columns=[c for c in want if c in present and c in lazy])

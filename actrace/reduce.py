@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import bins, kernel
-from .schema import MERGE, SAT_LEVELS, SCHEMA, STREAMS, bounds_for
+from .schema import MERGE, SAT_LEVELS, SCHEMA, STREAMS, UNIT_COLUMNS, bounds_for
 
 
 class ReductionError(ValueError):
@@ -113,9 +113,7 @@ def sat_counts(x, bounds: tuple[float, float], lib=np):
 
 
 _OUTWARD = {"unit_min": -np.inf, "unit_max": np.inf, "unit_min_dev": -np.inf}  # float32 columns: round this way
-_UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype()
-                for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "unit_min", "unit_max",
-                             "unit_min_dev")}
+_UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype() for name in UNIT_COLUMNS}
 
 
 def centre(bounds: tuple[float, float] | None) -> float:

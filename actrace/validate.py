@@ -48,11 +48,10 @@ def _np(table: pa.Table, name: str, fill=0) -> np.ndarray:
 
 def validate_file(path: Path) -> list[Problem]:
     """Every spec violation in one Parquet file."""
-    import pyarrow.parquet as pq
-
     try:
-        version = metadata.read(path)["spec_version"]
-        table = pq.read_table(path, page_checksum_verification=True)
+        pf = metadata.open_file(path)
+        version = metadata.parse(pf.schema_arrow, path)["spec_version"]
+        table = pf.read()
     except TraceError as exc:
         return [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
     except (pa.ArrowException, OSError) as exc:

@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 
+from actrace.schema import STREAMS
+
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 # Within a step, the forward pass comes first: a NaN starts there and the backward spreads it.
-STREAM_ORDER = {"activation": 0, "activation_grad": 1, "param_grad": 2, "param": 3}
+STREAM_ORDER = {stream: i for i, stream in enumerate(STREAMS)}  # the spec lists them in that order
 
 
 @dataclass(frozen=True)

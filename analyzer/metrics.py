@@ -1,8 +1,8 @@
 """Metrics from traces (spec/trace-v1.md §Metrics): Polars expressions over the raw reductions.
 
 Every threshold is an argument here, never a property of the trace. `readings()` reads each trace
-once, only the columns the metrics and the report's histograms need: per-unit lists are reduced to
-counts as each trace is read, so many runs fit in bounded memory.
+once, only the columns the metrics need (saturation's only where a trace has bounded layers):
+per-unit lists are reduced to counts as each trace is read, so many runs fit in bounded memory.
 """
 from __future__ import annotations
 
