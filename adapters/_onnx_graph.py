@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._onnx_recurrent import OPS as RECURRENT_OPS
+from ._onnx_recurrent import Op
+
 ACTIVATION_OPS = {
     "Relu": "relu", "LeakyRelu": "leaky_relu", "PRelu": "prelu", "Elu": "elu", "Celu": "elu", "Selu": "selu",
     "Gelu": "gelu", "Mish": "mish", "Softplus": "softplus", "HardSwish": "hard_swish", "Tanh": "tanh",
@@ -36,6 +39,8 @@ class Layer:
     bounds: tuple[float, float] | None
     axis: int | None  # from the start if >= 0, from the end if < 0; None: one unit
     input: str = ""   # the tensor a ReLU rectifies: read from that tensor's pass when it is read too
+    recurrent: Op | None = None  # a reading of a recurrent node (its `part`), computed from the node's tensors
+    part: str = ""
 
 
 class Graph:
@@ -234,6 +239,8 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
         elif op == "Gather" and node.input[0] in graph.init and len(graph.init[node.input[0]].dims) == 2 \
                 and not graph.is_const(node.input[1]):
             found.append((node, "embedding", module, cls, None))  # a lookup in a weight table
+        elif op in RECURRENT_OPS:
+            found.append((node, "recurrent", module, cls, None))
         elif op in ("Gemm", "Conv", "ConvTranspose") or op in NORM_OPS:
             kind = OP_KINDS[op]
             if op == "Conv" and _is_folded_bn(graph, node, module, cls):
@@ -276,6 +283,13 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
     owned = _sole_owners(graph, found)
     out, seen = [], {}
     for node, kind, module, cls, bounds in found:
+        if kind == "recurrent":  # one node per layer of the module: l0, l1, ... in graph order
+            prefix = module or node.name or node.output[0]
+            index = seen[prefix + "/recurrent"] = seen.get(prefix + "/recurrent", -1) + 1
+            op = Op(graph, node)
+            out += [Layer(f"{prefix}.{part.replace('l0', f'l{index}', 1)}", f"{node.output[0]}:{part}", k,
+                          None, -1, recurrent=op, part=part) for part, k in op.parts()]
+            continue
         if kind == "linear" and module in attention:
             if last_in_block[module] != id(node):
                 continue

@@ -8,6 +8,8 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   as `SCOPE.FUNCTION` (`layers.3.mlp.silu`), except inside an activation module, which is read
   once as itself; a parameter-free leaf module whose output is such a call's output (Hugging
   Face's `GELUActivation`) takes that reading under its own path;
+- a recurrent module (`nn.RNN`, `nn.LSTM`, `nn.GRU`) is read per layer and direction, gates
+  included (`_torch_recurrent`), in a probe forward; in a forward with gradients, at its outputs;
 - repeated names in one forward get `#2`, `#3`, ...
 Each tensor is read the moment it is made, before any in-place change. Unit axes come from
 `_torch_axes.Axes`.
@@ -23,6 +25,9 @@ from torch.overrides import TorchFunctionMode
 
 from ._torch_axes import LOST, Axes, op_name
 from ._torch_kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind
+from ._torch_recurrent import RECURRENT
+from ._torch_recurrent import parts as recurrent_parts
+from ._torch_recurrent import readings as recurrent_readings
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
@@ -108,7 +113,8 @@ class ForwardTrace(TorchFunctionMode):
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
-                       nn_module.register_module_forward_hook(self._exit_module, always_call=True)]
+                       nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
+                                                              always_call=True)]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -207,7 +213,9 @@ class ForwardTrace(TorchFunctionMode):
                 frame.source = self._before(type(module) is torch.nn.ReLU, inputs)
                 frame.paused = overrides._pop_mode() is self
 
-    def _exit_module(self, module, inputs, output):
+    def _exit_module(self, module, inputs, *rest):
+        # (kwargs, output); torch calls an always_call hook without kwargs after a forward raised
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         if module not in self.paths or self._busy:
             return
         self._flush()
@@ -221,7 +229,10 @@ class ForwardTrace(TorchFunctionMode):
             self._opaque_output(frame, inputs, output)
         self._busy = True
         try:
-            self._module_output(frame, output)
+            if type(module) in RECURRENT and not torch.is_grad_enabled() and isinstance(output, tuple):
+                self._recurrent(frame, inputs, kwargs, output)
+            else:
+                self._module_output(frame, output)
         finally:
             self._busy = False
 
@@ -241,6 +252,18 @@ class ForwardTrace(TorchFunctionMode):
             self.axes.made[out] = made
         if frame.source is not None:
             self.relu = (out, frame.source)
+
+    def _recurrent(self, frame: _Frame, inputs, kwargs, output) -> None:
+        """A recurrent module's readings per layer and direction (`_torch_recurrent`), under its
+        path; only the selected ones are computed."""
+        named = [(self._name(f"{frame.path}.{suffix}" if frame.path else suffix), suffix, kind)
+                 for suffix, kind in recurrent_parts(frame.module)]
+        wanted = {suffix for name, suffix, _ in named if self.wanted(name, frame.module)}
+        tensors = recurrent_readings(frame.module, inputs, kwargs, output, wanted) if wanted else {}
+        for name, suffix, kind in named:
+            if suffix in tensors:
+                self.axes.set(tensors[suffix], -1)
+                self._sink(name, kind, None, tensors[suffix], frame.module)
 
     def _module_output(self, frame: _Frame, output) -> None:
         if frame.last is not None and frame.last[0] is output:

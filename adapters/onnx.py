@@ -22,7 +22,7 @@ from actrace.reduce import merge, reduce_arrays
 
 from actrace.schema import KINDS
 
-from ._onnx_graph import OP_KINDS, Layer
+from ._onnx_graph import OP_KINDS, RECURRENT_OPS, Layer
 from ._onnx_graph import layers as graph_layers
 
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -48,29 +48,32 @@ def select_tensors(model, layers=None, op_types=None, input_axes=None) -> list[L
     """The framework's layers to read (adapters/_onnx_graph.py), filtered by name glob, and by op
     type or kind (`Relu`, `Gemm`, `silu`: a decomposed activation is known by its kind)."""
     kinds = set(KINDS)
+    recurrent = set(RECURRENT_OPS)
     if op_types:
-        unknown = set(op_types) - set(OP_KINDS) - set(KINDS)
+        recurrent &= set(op_types)
+        unknown = set(op_types) - set(OP_KINDS) - set(KINDS) - set(RECURRENT_OPS)
         if unknown:
             raise OnnxError(f"--op-types: unknown op type(s) {', '.join(sorted(unknown))}; known: "
-                            f"{', '.join(sorted(OP_KINDS))}, or a kind ({', '.join(KINDS)})")
+                            f"{', '.join(sorted({*OP_KINDS, *RECURRENT_OPS}))}, or a kind ({', '.join(KINDS)})")
         kinds = {OP_KINDS.get(op, op) for op in op_types}
         kinds |= {"attention"} if "linear" in kinds else set()
         kinds |= {"relu6"} if "clip" in kinds else set()
-    chosen = [t for t in graph_layers(model, input_axes) if t.kind in kinds and (
+    chosen = [t for t in graph_layers(model, input_axes) if (
+        t.recurrent.op_type in recurrent if t.recurrent else t.kind in kinds) and (
         not layers or any(fnmatch.fnmatch(t.name, p) or fnmatch.fnmatch(t.output, p) for p in layers))]
     if not chosen:
         raise OnnxError("no tensor matches --layers/--op-types in this model")
     return chosen
 
 
-def _session(model, tensors: list[dict], path: Path):
-    """A session on the in-memory model (never the file) with the chosen tensors as extra graph
+def _session(model, names: list[str], path: Path):
+    """A session on the in-memory model (never the file) with the named tensors as extra graph
     outputs; a name alone is enough, ORT infers their types (faster than shape inference)."""
     import onnx
     import onnxruntime as ort
 
     existing = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.ValueInfoProto(name=t.output) for t in tensors if t.output not in existing)
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in existing)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
@@ -153,20 +156,27 @@ class Checkpoint:
         # a ReLU of a tensor read anyway is read from that tensor's pass, its own output not fetched
         read = {t.output: t for t in self.tensors}
         self.relu_of = {t.input: t for t in self.tensors if t.input in read and read[t.input].axis == t.axis}
-        self.fetched = [t for t in self.tensors if t not in self.relu_of.values()]
-        self.session = _session(model, self.fetched, self.path)
+        self.fetched = [t for t in self.tensors if t not in self.relu_of.values() and t.recurrent is None]
+        # a recurrent node's readings are computed from its inputs and outputs (adapters/_onnx_recurrent.py)
+        self.recurrent = list({id(t.recurrent): t.recurrent for t in self.tensors if t.recurrent}.values())
+        self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
+            name for op in self.recurrent for name in op.expose()]))
+        self.session = _session(model, self.names, self.path)
 
     def read(self, probe: dict, chunk: int = 256) -> list:
         """One probe reading: a Reading per chosen tensor, merged over the probe's chunks."""
         feeds = _feeds(self.session, probe, self.path)
-        names = [t.output for t in self.fetched]
         merged: dict[str, object] = {}
         for part in _chunks(self.session, feeds, chunk, self.path):
             try:
-                outputs = self.session.run(names, part)
+                values = dict(zip(self.names, self.session.run(self.names, part)))
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
-            jobs = [(t, np.asarray(v)) for t, v in zip(self.fetched, outputs)]
+            jobs = [(t, np.asarray(values[t.output])) for t in self.fetched]
+            for op in self.recurrent:
+                layers = [t for t in self.tensors if t.recurrent is op]
+                arrays = op.readings(values, {t.part for t in layers})
+                jobs += [(t, arrays[t.part]) for t in layers if t.part in arrays]
             jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
             readings = reduce_arrays([(v, _unit_axis(v, t), t.kind, dict(
                 layer=t.name, bounds=t.bounds, relu=self.relu_of[t.output].name if t.output in self.relu_of else None))

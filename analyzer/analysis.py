@@ -23,12 +23,13 @@ class Analysis:
     rules: Rules = Rules()
     mapping: dict | None = None
     x: str = "step"
+    th: Thresholds = Thresholds()
     _compared: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def findings(self) -> list[Finding]:
         """The findings rules over the metrics, most urgent first."""
-        return findings(self.metrics, self.rules, self.runs)
+        return findings(self.metrics, self.rules, self.runs, self.th)
 
     @property
     def baseline(self) -> str | None:
@@ -66,4 +67,4 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     rows, runs = readings(paths, th)
-    return Analysis(from_readings(rows, th), runs, rules, mapping, x)
+    return Analysis(from_readings(rows, th), runs, rules, mapping, x, th)

@@ -11,7 +11,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 
-from actrace.schema import STREAMS
+from actrace.recurrent import describe
+from actrace.schema import KIND_BOUNDS, STREAMS
+
+from .metrics import Thresholds
 
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 # Within a step, the forward pass comes first: a NaN starts there and the backward spreads it.
@@ -101,7 +104,22 @@ def _per_layer(m: pl.DataFrame, stream: str):
         yield run, layer, g
 
 
-def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
+def _pinned(layer: str, kind: str, mean: float, share: float, t: float) -> str:
+    """The share of units pinned at a bound, said of a recurrent gate as open or closed ("forget
+    gate of layer 0 pinned open: 100% of units ≥ 0.99")."""
+    what = describe(layer)
+    bounds = KIND_BOUNDS.get(kind)
+    if what is None or not what[1].split(" of ")[0].endswith("gate") or bounds is None:
+        return f"{share:.0%} of units pinned at a bound"
+    lo, hi = bounds
+    margin = (1 - t) * max(abs(lo), abs(hi))
+    if kind == "sigmoid":
+        side = ("open", f"≥ {hi - margin:.4g}") if mean > (lo + hi) / 2 else ("closed", f"≤ {lo + margin:.4g}")
+        return f"{what[1]} pinned {side[0]}: {share:.0%} of units {side[1]}"
+    return f"{what[1]} pinned: {share:.0%} of units within {margin:.4g} of ±{hi:g}"
+
+
+def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
     for run, layer, g in _per_layer(m, "activation"):
         steps = g["step"].to_numpy()
@@ -129,15 +147,18 @@ def _activation_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
             elif sat[-1] > r.max_saturation:
                 start = steps[np.argmax(sat > r.max_saturation)]
                 unit = g["saturation_unit"][-1]
+                what = describe(layer)
                 out.append(_finding("warning", "saturation_high", run, layer, start,
+                                    (f"{what[1]} at its bounds: " if what else "") +
                                     f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
                                     f"{steps[-1]}", sat[-1]))
         pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
         if len(pinned) and pinned[-1] > r.max_saturation_units:
             start = steps[np.argmax(pinned > r.max_saturation_units)]
             out.append(_finding("warning", "units_pinned", run, layer, start,
-                                f"{pinned[-1]:.0%} of units pinned at a bound for every probe input at step "
-                                f"{steps[-1]}, above {r.max_saturation_units:.0%} since step {start}", pinned[-1]))
+                                f"{_pinned(layer, g['kind'][0], g['mean'][-1], pinned[-1], th.sat_threshold)} for "
+                                f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
+                                f"step {start}", pinned[-1]))
         clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
         std = g["std"].fill_null(np.nan).to_numpy()[clean]
         mean = g["mean"].fill_null(np.nan).to_numpy()[clean]
@@ -253,12 +274,13 @@ def status_findings(runs: list[dict]) -> list[Finding]:
     return out
 
 
-def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = ()) -> list[Finding]:
-    """All findings over a metrics frame, most urgent first."""
+def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = (),
+             th: Thresholds = Thresholds()) -> list[Finding]:
+    """All findings over a metrics frame (computed at thresholds `th`), most urgent first."""
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
     m = m.filter(~skipped)
-    found += _integrity_findings(m) + _activation_findings(m, rules) + _gradient_findings(m, rules)
+    found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules)
     found += status_findings(list(runs))
     # a NaN first: nothing else in a NaN run can be trusted
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))

@@ -181,8 +181,8 @@ def test_recurrent_outputs_are_named_by_their_module_like_their_gradients(tmp_pa
         model(torch.randn(3, 5, 4)).sum().backward()
         mon.step(0)
     acts, grads = rows(tmp_path / "r.parquet"), rows(tmp_path / "r.parquet", "param_grad")
-    assert {"gru", "gru.1", "head"} <= set(acts) and "gru" in grads
-    assert (acts["gru"]["unit_axis"], acts["gru"]["units"]) == (2, 6)
+    assert {"gru.l0", "gru.l0.h_n", "gru.l0.update_gate", "head"} <= set(acts) and "gru" in grads
+    assert (acts["gru.l0"]["unit_axis"], acts["gru.l0"]["units"]) == (2, 6)
 
 
 def test_a_dict_probe_for_a_model_taking_one_argument_gets_a_hint(tmp_path):
