@@ -1,4 +1,4 @@
-"""`actrace demo`: five small PyTorch runs that go wrong in the classic ways (and one that does
+"""`actrace demo`: six small PyTorch runs that go wrong in the classic ways (and one that does
 not), one of them also exported to ONNX and recorded as another team would, analyzed into one
 report. Built-in synthetic data, no downloads, about a minute on two CPU cores.
 """
@@ -36,6 +36,8 @@ RUNS = [
             depth=12, width=32, optimizer="sgd", lr=0.1),
     DemoRun("nan-loss", "the learning rate explodes at step 200: the loss goes NaN", optimizer="sgd", lr=0.05,
             blow_up_at=200),
+    DemoRun("lstm-forget-open", "an LSTM reading each example as 4 steps of 8 features, its forget-gate bias "
+            "initialized at +6: the gate is pinned open", activation="lstm", width=32, bias_init=6.0),
 ]
 ONNX_RUN = "dying-relu"
 
@@ -59,6 +61,8 @@ def _data(torch):
 
 def build_model(run: DemoRun, torch):
     nn = torch.nn
+    if run.activation == "lstm":
+        return _sequence_model(run, torch)
     act = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[run.activation]
     layers, width = OrderedDict(), IN_DIM
     for i in range(1, run.depth + 1):
@@ -73,6 +77,25 @@ def build_model(run: DemoRun, torch):
                 if name.startswith("fc"):
                     m.bias.fill_(run.bias_init)
     return model
+
+
+def _sequence_model(run: DemoRun, torch):
+    """An LSTM over each example cut into steps of 8 features, classified from its last hidden
+    state; `bias_init` is the forget gate's bias."""
+    nn = torch.nn
+
+    class Sequence(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.head = nn.LSTM(8, run.width, batch_first=True), nn.Linear(run.width, CLASSES)
+            if run.bias_init is not None:
+                with torch.no_grad():
+                    self.lstm.bias_ih_l0[run.width:2 * run.width] = run.bias_init
+                    self.lstm.bias_hh_l0[run.width:2 * run.width] = 0.0
+
+        def forward(self, x):
+            return self.head(self.lstm(x.view(len(x), -1, 8))[0][:, -1])
+    return Sequence()
 
 
 def train(run: DemoRun, out: Path, export_dir: Path | None, torch) -> None:

@@ -42,7 +42,11 @@ class Op:
         self.x, self.w, self.r, self.b, self.lens, self.h0 = inputs[:6]
         self.c0, peephole = (inputs[6], inputs[7]) if node.op_type == "LSTM" else ("", "")
         standard = not acts or acts == _DEFAULT[node.op_type] or (node.op_type == "RNN" and acts == ["Relu"])
-        self.gates = standard and "clip" not in attrs and not attrs.get("input_forget", 0) and not peephole
+        unusual = [what for what, present in (("activations " + ",".join(acts), not standard), ("clip", "clip" in attrs),
+                                              ("input_forget", attrs.get("input_forget", 0)), ("peepholes", peephole))
+                   if present]
+        self.unread = ", ".join(unusual)  # why gates are not read: these formulas do not compute them
+        self.gates = not unusual
         self.const = {name: graph.init[name] for name in (self.w, self.r, self.b, self.lens, self.h0, self.c0)
                       if name and name in graph.init}
         self.outputs = list(node.output) + [""] * (3 - len(node.output))

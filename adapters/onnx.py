@@ -159,6 +159,8 @@ class Checkpoint:
         self.fetched = [t for t in self.tensors if t not in self.relu_of.values() and t.recurrent is None]
         # a recurrent node's readings are computed from its inputs and outputs (adapters/_onnx_recurrent.py)
         self.recurrent = list({id(t.recurrent): t.recurrent for t in self.tensors if t.recurrent}.values())
+        self.unread = {t.name: t.recurrent.unread for t in self.tensors
+                       if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
         self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
             name for op in self.recurrent for name in op.expose()]))
         self.session = _session(model, self.names, self.path)
@@ -242,6 +244,10 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
                 warnings.warn(f"actrace: the unit axis of {len(checkpoint.lost)} reading(s) cannot be followed "
                               f"through the graph, so each is read as one unit: {', '.join(checkpoint.lost[:12])}",
                               stacklevel=2)
+            if checkpoint.unread and i == 0:
+                warnings.warn("actrace: the gates of these recurrent nodes are not read (their formulas differ "
+                              "from the standard ones) and their states are kind `other`: " + "; ".join(
+                                  f"{name} ({why})" for name, why in checkpoint.unread.items()), stacklevel=2)
             for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
         if progress:

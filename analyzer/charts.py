@@ -46,12 +46,12 @@ def _layer_axis(n_layers: int, sort) -> alt.Y:
 
 
 def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], runs: list[str],
-                   default_run=None) -> alt.HConcatChart:
-    """Per run (chosen in a menu, in the order of `runs`), a layer × step heatmap for each
-    (column, title, colour at 1, why a run may have none); 0 is near white, so a healthy layer
-    looks healthy, and a run with nothing to show in a panel gets that reason written there."""
+                   default_run=None, menu: str = "heatmap_run") -> alt.HConcatChart:
+    """Per run (chosen in the menu named `menu`, in the order of `runs`), a layer × step heatmap
+    for each (column, title, colour at 1, why a run may have none); 0 is near white, so a healthy
+    layer looks healthy, and a run with nothing to show in a panel gets that reason written there."""
     runs = [r for r in runs if r in set(df["run"])]
-    run = _select("heatmap_run", runs, "run ", default_run)
+    run = _select(menu, runs, "run ", default_run)
     order = df.select("layer", "layer_index").unique().sort("layer_index")["layer"].to_list()
     n_layers = len(order)
     height = min(max(12 * n_layers, 160), 1800)

@@ -76,8 +76,20 @@ ADVICE = {
 }
 
 
+# a recurrent gate at its bounds: what its own knobs are
+GATE_ADVICE = ("a gate pinned for every input passes or blocks everything, the same at every step: check the "
+               "gate's bias initialization (a forget-gate bias of 1 is usual) and the scale of the layer's input")
+
+
+def _gate(what: tuple[str, str] | None) -> bool:
+    """Whether a recurrent reading (`describe`) is a gate."""
+    return what is not None and what[1].split(" of ")[0].endswith("gate")
+
+
 def _finding(severity, rule, run, layer, step, evidence, score=0.0, stream="activation") -> Finding:
-    return Finding(severity, rule, run, layer, int(step), evidence, ADVICE[rule], float(score), stream)
+    what = describe(layer) if rule in ("saturation_high", "units_pinned") else None
+    advice = GATE_ADVICE if _gate(what) else ADVICE[rule]
+    return Finding(severity, rule, run, layer, int(step), evidence, advice, float(score), stream)
 
 
 def recent_rise(steps: np.ndarray, values: np.ndarray) -> tuple[float, int]:
@@ -109,7 +121,7 @@ def _pinned(layer: str, kind: str, mean: float, share: float, t: float) -> str:
     gate of layer 0 pinned open: 100% of units ≥ 0.99")."""
     what = describe(layer)
     bounds = KIND_BOUNDS.get(kind)
-    if what is None or not what[1].split(" of ")[0].endswith("gate") or bounds is None:
+    if not _gate(what) or bounds is None:
         return f"{share:.0%} of units pinned at a bound"
     lo, hi = bounds
     margin = (1 - t) * max(abs(lo), abs(hi))

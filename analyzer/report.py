@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 
 from actrace import bins
+from actrace.recurrent import describe
 from . import charts
 from .analysis import Analysis
 from .findings import Finding, group
@@ -146,6 +147,17 @@ def _comparison_html(compared: pl.DataFrame | None, per_metric: int = 5) -> str:
                             "points"]))
 
 
+def _recurrent(acts: pl.DataFrame) -> pl.DataFrame:
+    """The activation readings of recurrent layers (spec §Recurrent layers: a module with a final
+    hidden state `MODULE.lK.h_n`), in forward order."""
+    modules = {describe(name)[0] for name in acts["layer"].unique() if name.endswith(".h_n") and describe(name)}
+    if not modules:
+        return acts.clear()
+    own = pl.any_horizontal([pl.col("layer").str.starts_with(f"{m}.l" if m else "l") for m in modules])
+    return _compact(acts.filter(own).select("run", "layer", "layer_index", "step", "saturation_value",
+                                            "saturation_unit"))
+
+
 def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, progress=lambda msg: None) -> Path:
     """Write the report of an analysis to `out`, runs compared with `baseline` (default: the first)."""
     import altair as alt
@@ -189,6 +201,15 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
                      "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
                     ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)")],
                     runs, default_run=focus.run if focus else first))
+    recurrent = _recurrent(acts)
+    if recurrent.height:
+        section("Recurrent layers", "Per run (menu): each recurrent layer's gates, hidden state and final states "
+                "together, by layer and direction. A gate pinned open or closed for every input, or a hidden state "
+                "piling at ±1, carries no information.", "recurrent",
+                charts.layer_heatmaps(recurrent, [
+                    ("saturation_value", "saturation (values)", "#d94801", "no recurrent layer in this run"),
+                    ("saturation_unit", "units pinned for every input", "#7f2704", "no recurrent layer in this run")],
+                    runs, default_run=next((f.run for f in found if describe(f.layer)), first), menu="recurrent_run"))
     progress("drawing trends")
     trend_src = _compact(pl.concat([_thin_steps(acts, MAX_TREND_STEPS), _thin_steps(grads, MAX_TREND_STEPS)],
                                    how="diagonal_relaxed").select(

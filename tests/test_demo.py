@@ -28,10 +28,11 @@ def _found(found, run):
 def test_demo_writes_valid_traces_and_a_report_and_says_where(demo):
     out, res, _, _ = demo
     assert sorted(p.stem for p in (out / "runs").glob("*.parquet")) == [
-        "dying-relu", "dying-relu-onnx", "healthy-relu", "nan-loss", "saturated-tanh", "vanishing-sigmoid"]
+        "dying-relu", "dying-relu-onnx", "healthy-relu", "lstm-forget-open", "nan-loss", "saturated-tanh",
+        "vanishing-sigmoid"]
     assert validate(out / "runs") == []
     assert (out / "report.html").stat().st_size > 100_000
-    assert f"report:  {out / 'report.html'}" in res.stdout and "[1/7] PyTorch: training" in res.stderr
+    assert f"report:  {out / 'report.html'}" in res.stdout and "[1/8] PyTorch: training" in res.stderr
 
 
 def test_healthy_run_has_no_finding(demo):
@@ -47,6 +48,13 @@ def test_dying_relu_is_found_growing_in_pytorch_and_in_its_onnx_export(demo):
 
 def test_saturated_tanh_is_found_in_its_tanh_layers(demo):
     assert {("saturation_high", f"tanh{i}") for i in (2, 3, 4)} <= _found(demo[3], "saturated-tanh")
+
+
+def test_the_lstm_forget_gate_is_found_pinned_open_and_nothing_else_in_it(demo):
+    found = [f for f in demo[3] if f.run == "lstm-forget-open"]
+    assert {(f.rule, f.layer) for f in found} == {("saturation_high", "lstm.l0.forget_gate"),
+                                                  ("units_pinned", "lstm.l0.forget_gate")}
+    assert any("forget gate of layer 0 pinned open" in f.evidence for f in found)
 
 
 def test_vanishing_gradients_are_found_at_the_first_layer(demo):

@@ -315,3 +315,67 @@ def test_pytorch_and_onnx_agree_gate_by_gate(tmp_path, dynamo):
                                                                           tmp_path / "onnx.parquet")]
     assert judged[0] == judged[1]
     assert dict((r[0], r[2]) for r in judged[0])["lstm.l0.forget_gate"] > 0.3
+
+
+def test_the_report_groups_a_recurrent_layers_readings_and_opens_on_the_pinned_gate(tmp_path, cli):
+    from playwright.sync_api import sync_playwright
+
+    from test_report import CHROMIUM, LAUNCH_ARGS
+
+    torch.manual_seed(0)
+    train(Tagger(), tmp_path / "healthy.parquet")
+    torch.manual_seed(0)
+    train(Tagger(forget_bias=6.0), tmp_path / "forget-open.parquet")
+    res = cli("report", tmp_path / "healthy.parquet", tmp_path / "forget-open.parquet", "-o", tmp_path / "r.html")
+    assert res.returncode == 0, res.stderr
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto((tmp_path / "r.html").as_uri())
+        page.wait_for_selector("#recurrent svg .mark-rect", state="attached", timeout=20_000)
+        chosen = page.eval_on_selector("#recurrent select", "s => s.value")
+        rows = page.inner_text("#recurrent")
+        browser.close()
+    assert errors == [] and chosen == "forget-open"
+    names = ["lstm.l0.input_gate", "lstm.l0.forget_gate", "lstm.l0.cell_gate", "lstm.l0.output_gate", "lstm.l0",
+             "lstm.l0.h_n"]  # the cell state is unbounded: no saturation to draw
+    assert [n for n in rows.split() if n in names + ["lstm.l0.c_n"]] == names * 2  # forward order, in both panels
+    assert "emb" not in rows.split() and "head" not in rows.split()
+
+
+def test_onnx_recurrent_nodes_chosen_by_op_type_and_an_unusual_node_said_once(tmp_path):
+    import onnx
+    from onnx import helper
+
+    torch.manual_seed(0)
+    model = Stack(rnn=True).eval()
+    probe = torch.randn(4, 7, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=False,
+                          dynamic_axes={"x": {0: "batch"}})
+    np.save(tmp_path / "probe.npy", probe.numpy())
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npy", tmp_path / "lstm.parquet", op_types="LSTM",
+                progress=False)
+    names = [r["layer"] for r in actrace.read_table(tmp_path / "lstm.parquet").to_pylist()]
+    assert len(names) == 2 * 2 * 7 and all(n.startswith("lstm.l") for n in names)
+    graph = onnx.load(tmp_path / "m.onnx")
+    gru = next(n for n in graph.graph.node if n.op_type == "GRU")
+    gru.attribute.append(helper.make_attribute("clip", 50.0))  # clipped pre-activations: not the standard gates
+    onnx.save(graph, tmp_path / "clipped.onnx")
+    with pytest.warns(UserWarning, match=r"gates of these recurrent nodes are not read.*: gru\.l0 \(clip\)$"):
+        record_onnx([tmp_path / "clipped.onnx"], tmp_path / "probe.npy", tmp_path / "c.parquet", progress=False)
+    rows = {r["layer"]: r["kind"] for r in actrace.read_table(tmp_path / "c.parquet").to_pylist()}
+    assert not [n for n in rows if n.startswith("gru.l0.") and n.endswith("_gate")]
+    assert rows["gru.l0"] == rows["gru.l0.h_n"] == "other" and rows["lstm.l0.forget_gate"] == "sigmoid"
+
+
+def test_the_spec_names_the_gates_as_the_code_does():
+    from conftest import SPEC
+
+    from actrace.recurrent import GATES
+
+    row = next(line for line in (SPEC / "trace-v1.md").read_text().splitlines() if line.startswith("| each gate"))
+    assert all(f"`{gate}`" in row for gates in GATES.values() for gate, _ in gates)

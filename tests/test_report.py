@@ -60,6 +60,7 @@ def test_report_renders_offline_with_every_chart_and_no_script_error(report):
     assert "dead_growing" in findings_text and "dying" in findings_text
     assert HOSTILE in page_text and images == 0 and bold == 0
     assert "Differences from the baseline run healthy" in page_text and "dead_fraction" in page_text
+    assert "Recurrent layers" not in page_text  # no recurrent layer, no section
 
 
 def test_the_first_screen_opens_on_the_baseline_and_an_empty_panel_says_why(report):
