@@ -77,14 +77,17 @@ def gates(cell: str, x, h_prev, w_ih, w_hh, b_ih, b_hh, sigmoid, tanh, reset_aft
     if not n:
         return []
     size = w_hh.shape[0] // n
-    gi = x @ w_ih.T if b_ih is None else x @ w_ih.T + b_ih
-    gh = h_prev @ w_hh.T if b_hh is None else h_prev @ w_hh.T + b_hh
 
     def block(a, k):
         return a[:, k * size:(k + 1) * size]
-    if cell == "lstm":
-        pre = gi + gh
+    if cell == "lstm":  # one pre-activation, summed in place
+        pre = x @ w_ih.T
+        pre += h_prev @ w_hh.T
+        if b_ih is not None:
+            pre += b_ih + b_hh
         return [sigmoid(block(pre, 0)), sigmoid(block(pre, 1)), tanh(block(pre, 2)), sigmoid(block(pre, 3))]
+    gi = x @ w_ih.T if b_ih is None else x @ w_ih.T + b_ih
+    gh = h_prev @ w_hh.T if b_hh is None else h_prev @ w_hh.T + b_hh
     r = sigmoid(block(gi, 0) + block(gh, 0))
     z = sigmoid(block(gi, 1) + block(gh, 1))
     if reset_after:

@@ -52,8 +52,12 @@ def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[s
             seq = top
         elif layer < deepest:
             state = (h0[first:first + dirs], c0[first:first + dirs]) if cell == "lstm" else h0[first:first + dirs]
-            seq = _RUN[cell](rows, sizes, state, module._flat_weights[first * weights:(first + dirs) * weights],
-                             module.bias, 1, 0.0, False, module.bidirectional)[0]
+            own = module._flat_weights[first * weights:(first + dirs) * weights]
+            if grid is None:  # packed
+                seq = _RUN[cell](rows, sizes, state, own, module.bias, 1, 0.0, False, module.bidirectional)[0]
+            else:  # the padded kernel, faster: [time, batch, features]
+                seq = _RUN[cell](rows.view(*grid, -1), state, own, module.bias, 1, 0.0, False, module.bidirectional,
+                                 False)[0].view(len(rows), -1)
         else:
             seq = None  # nothing above this layer is wanted: its sequence is not needed
         for d in range(dirs):

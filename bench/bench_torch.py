@@ -1,7 +1,8 @@
 """PyTorch adapter bench, CPU, 2 threads: probe-reading and gradient-reading overhead.
 
-For three models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
-transformer encoder, d=256, on 32×128 tokens), side by side in one run:
+For four models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
+transformer encoder, d=256, on 32×128 tokens; a 2-layer LSTM, 256 wide, on 64 sequences of 50
+steps, whose gates actrace recomputes and the hooks do not see), side by side in one run:
   - a plain `no_grad` eval forward of the probe (the reference, 1.00×);
   - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer),
     and the same without histograms (`Monitor(histogram=False)`);
@@ -10,7 +11,7 @@ transformer encoder, d=256, on 32×128 tokens), side by side in one run:
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step.
 The cases take turns, round after round, and each keeps its best time (see `interleaved`).
-Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer]
+Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer lstm]
 """
 from __future__ import annotations
 
@@ -47,7 +48,20 @@ def transformer():
         lambda out: out.pow(2).mean()
 
 
-MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer}
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(128, 256, num_layers=2, batch_first=True), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def lstm():
+    return Recurrent(), torch.randn(64, 50, 128), lambda out: out.pow(2).mean()
+
+
+MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer, "lstm 2x256": lstm}
 
 
 def interleaved(cases: dict, repeat: int, sync) -> dict[str, float]:
@@ -101,7 +115,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", nargs="+", choices=[m.split()[0] for m in MODELS], help="default: all three")
+    parser.add_argument("--models", nargs="+", choices=[m.split()[0] for m in MODELS], help="default: all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
