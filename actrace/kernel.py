@@ -129,18 +129,17 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     return job, out
 
 
-def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
-    """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
-    and large tensors cut in pieces, are shared among the threads."""
-    if not tasks:
-        return []
+def _threads() -> int:
     if not _gomp:  # PyTorch, where it is used, is loaded by the first call
         _gomp.append(_openmp())
-    threads = _gomp[0][1]() if _gomp[0] else 2
-    made = [_job(*task, threads) for task in tasks]
-    jobs = (_Job * len(made))(*(job for job, _ in made))
-    batch = ctypes.byref(_Batch(_BINS, ctypes.addressof(jobs), len(made), 0))
-    if sum(job.pieces for job in jobs) == 1:
+    return _gomp[0][1]() if _gomp[0] else 2
+
+
+def _dispatch(address: int, n: int, pieces: int, values: int) -> None:
+    """Run `n` jobs laid out at `address` on every thread; on this thread alone when there is one
+    piece or fewer `values` than a piece's worth (waking a thread team costs more than that)."""
+    batch = ctypes.byref(_Batch(_BINS, address, n, 0))
+    if pieces == 1 or values < SPLIT:
         _run(batch)
     elif _gomp[0]:
         _gomp[0][0](_RUN, batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
@@ -148,7 +147,43 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
         helper = _pool.submit(_run, batch)
         _run(batch)
         helper.result()
+
+
+def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
+    """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
+    and large tensors cut in pieces, are shared among the threads."""
+    if not tasks:
+        return []
+    threads = _threads()
+    made = [_job(*task, threads) for task in tasks]
+    jobs = (_Job * len(made))(*(job for job, _ in made))
+    _dispatch(ctypes.addressof(jobs), len(made), sum(job.pieces for job in jobs), sum(t[0].size for t in tasks))
     return [out for _, out in made]
+
+
+TOTALS = ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero", "unit_count", "nan_count", "inf_count")
+_JOBS = np.dtype(_Job)  # a job table built column by column, as numpy arrays
+
+
+def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarray]:
+    """Whole-tensor statistics (one unit, no histogram) of many C-contiguous float32 buffers (their
+    data addresses and lengths; the caller keeps them alive) in one batch: per buffer, each of
+    `TOTALS`. For the many small tensors of a per-step gradient reading, where building a job per
+    tensor would cost more than reducing it, the job table and outputs are built as whole arrays."""
+    n, sizes = len(sizes), np.asarray(sizes, np.int64)
+    pieces = np.where(sizes >= SPLIT, _threads(), 1).astype(np.int32)
+    first = np.cumsum(pieces) - pieces
+    width = 3 + bins.N_BINS + 2
+    f64, f32 = np.zeros((first[-1] + pieces[-1], 4)), np.empty((first[-1] + pieces[-1], 3), np.float32)
+    i64 = np.zeros((first[-1] + pieces[-1], width), np.int64)
+    table = np.zeros(n * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
+    jobs = table.view(_JOBS)
+    jobs["x"], jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = addresses, 1, 1, sizes, pieces
+    jobs["f64"], jobs["f32"] = _address(f64) + 32 * first, _address(f32) + 12 * first
+    jobs["i64"] = _address(i64) + 8 * width * first
+    _dispatch(_address(table), n, int(pieces.sum()), int(sizes.sum()))
+    f64, f32, i64 = f64[first], f32[first], i64[first]
+    return dict(zip(TOTALS, (f64[:, 0], f64[:, 1], f32[:, 0], f32[:, 1], i64[:, 0], i64[:, 1], i64[:, -2], i64[:, -1])))
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

@@ -41,14 +41,21 @@ def parts(cell: str, layers: int, directions: int, projected: bool = False) -> l
     return out
 
 
-def describe(name: str) -> tuple[str, str] | None:
-    """(module, what) of a recurrent reading's name: ("lstm", "forget gate of layer 0"), ("gru",
-    "hidden state of layer 1 (reverse)"); None for any other name."""
-    m = _NAME.match(name)
+def describe(name: str, names) -> tuple[str, str] | None:
+    """(module, what) of a recurrent reading among a run's reading `names`: ("lstm", "forget gate
+    of layer 0"), ("gru", "hidden state of layer 1 (reverse)"); None for any other reading. A
+    recurrent layer is known by its final hidden state (`MODULE.lK.h_n`) among the names, not by
+    its name alone: a plain layer may be called `l0`."""
+    core, _, call = name.partition("#")
+    m = _NAME.match(core)
     if m is None:
         return None
+    base = f"{m['module']}.{m['layer']}" if m["module"] else m["layer"]
+    if f"{base}.h_n" + (f"#{call}" if call else "") not in names:
+        return None
     layer = m["layer"].replace("_reverse", "")[1:]
-    where = f"layer {layer}" + (" (reverse)" if m["layer"].endswith("_reverse") else "")
+    where = f"layer {layer}" + (" (reverse)" if m["layer"].endswith("_reverse") else "") + \
+        (f", call {call}" if call else "")
     part = m["part"]
     what = {None: "hidden state", "h_n": "final hidden state", "c_n": "final cell state"}.get(
         part, (part or "").replace("_", " "))
@@ -90,9 +97,9 @@ def gates(cell: str, x, h_prev, w_ih, w_hh, b_ih, b_hh, sigmoid, tanh, reset_aft
     gh = h_prev @ w_hh.T if b_hh is None else h_prev @ w_hh.T + b_hh
     r = sigmoid(block(gi, 0) + block(gh, 0))
     z = sigmoid(block(gi, 1) + block(gh, 1))
-    if reset_after:
-        new = block(gh, 2)
-    else:
+    if reset_after:  # n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))
+        new = r * block(gh, 2)
+    else:             # n = tanh(W_in x + b_in + W_hn (r ⊙ h) + b_hn)
         new = (r * h_prev) @ w_hh[2 * size:].T
         new = new if b_hh is None else new + b_hh[2 * size:]
-    return [r, z, tanh(block(gi, 2) + r * new)]
+    return [r, z, tanh(block(gi, 2) + new)]

@@ -77,6 +77,23 @@ class Reading:
                 setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype))
         return r
 
+    @classmethod
+    def from_totals(cls, totals: dict[str, np.ndarray], metas: list[dict], scale: float = 1.0) -> list["Reading"]:
+        """Layer-level readings (no per-unit columns) of many tensors at once, from arrays of their
+        whole-tensor statistics (`kernel.TOTALS`, one row per tensor) and each one's `shape`,
+        `unit_axis`, `layer` …; the statistics of values that carry a factor `scale` (a loss
+        scaler's) are divided by it. A per-step gradient reading makes dozens of these."""
+        rows = zip(*(totals[k].tolist() for k in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero",
+                                                  "nan_count", "inf_count")))
+        out = []
+        for (total, squares, lo, hi, zeros, nans, infs), meta in zip(rows, metas):
+            shape = tuple(meta.pop("shape"))
+            axis = meta.pop("unit_axis")
+            out.append(cls(shape=shape, unit_axis=axis, units=1 if axis is None else shape[axis],
+                           count=math.prod(shape), nan_count=nans, inf_count=infs, zero_count=zeros,
+                           sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta))
+        return out
+
 
 def outward(v: np.ndarray, toward: float) -> np.ndarray:
     """`v` as float32, each value rounded toward `toward` (-inf for a minimum, +inf for a maximum)

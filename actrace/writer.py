@@ -70,12 +70,16 @@ class Writer:
 
     >>> with Writer("runs/a.parquet", run="a", framework="jax") as w:   # doctest: +SKIP
     ...     w.record_activation(step=0, layer="mlp.0", x=h, unit_axis=-1, kind="relu")
+
+    Buffered readings become a durable part file every `flush_every` readings or `flush_seconds`,
+    whichever comes first: a killed run loses at most its last seconds, and a part file (two
+    fsyncs) is written rarely enough not to slow a training step.
     """
 
     def __init__(self, path, *, run: str | None = None, framework: str = "numpy",
                  framework_version: str | None = None, adapter: str = "actrace.numpy",
                  config: dict | None = None, probe_fingerprint: str | None = None,
-                 probe_size: int | None = None, mode: str | None = None, flush_every: int = 512,
+                 probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
                  flush_seconds: float = 10.0, overwrite: bool = False):
         self.path = Path(path)
         self.parts = parts_dir(self.path)

@@ -221,7 +221,7 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
             internal |= inside
             ends[id(end)] = kind
     for node in graph.nodes:
-        if id(node) in internal or not node.output or not node.output[0]:
+        if id(node) in internal or not node.output or not (node.output[0] or node.op_type in RECURRENT_OPS):
             continue
         module, cls = scope(node)
         if id(node) in ends:
@@ -287,7 +287,7 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
             prefix = module or node.name or node.output[0]
             index = seen[prefix + "/recurrent"] = seen.get(prefix + "/recurrent", -1) + 1
             op = Op(graph, node)
-            out += [Layer(f"{prefix}.{part.replace('l0', f'l{index}', 1)}", f"{node.output[0]}:{part}", k,
+            out += [Layer(f"{prefix}.{part.replace('l0', f'l{index}', 1)}", f"{node.name or prefix}:{part}", k,
                           None, -1, recurrent=op, part=part) for part, k in op.parts()]
             continue
         if kind == "linear" and module in attention:

@@ -62,15 +62,16 @@ class Op:
         return found
 
     def expose(self) -> list[str]:
-        """Name the node's unnamed state outputs (`Y_h`, `Y_c`: the model copy's, never the file's)
-        and return every tensor a reading fetches."""
+        """Name the node's unnamed outputs (`Y`, `Y_h`, `Y_c`: the model copy's, never the file's)
+        and return every tensor a reading fetches (weights too, where a graph computes them)."""
         wanted = 3 if self.op_type == "LSTM" else 2
         for i in range(wanted):
             if not self.outputs[i]:
-                self.outputs[i] = f"{self.node.name or self.outputs[0]}/actrace_state_{i}"
+                self.outputs[i] = f"{self.node.name or self.x}/actrace_output_{i}"
         del self.node.output[:]
         self.node.output.extend(self.outputs[:wanted])
-        return [n for n in (self.x, self.lens, self.h0, self.c0, *self.outputs[:wanted]) if n and n not in self.const]
+        return [n for n in (self.x, self.w, self.r, self.b, self.lens, self.h0, self.c0, *self.outputs[:wanted])
+                if n and n not in self.const]
 
     def _value(self, name: str, values: dict):
         from onnx import numpy_helper

@@ -25,6 +25,16 @@ def parts(module: nn.Module) -> list[tuple[str, str]]:
                            getattr(module, "proj_size", 0) > 0)
 
 
+def param(path: str, module: nn.Module, name: str) -> tuple[str, str]:
+    """(reading name, parameter name) of a parameter, a recurrent module's by layer and direction
+    (`weight_hh_l1_reverse` of `lstm`: `lstm.l1_reverse`, `weight_hh`), so its gradients sit beside
+    that layer's readings; any other module's as they are."""
+    if type(module) not in RECURRENT or "_l" not in name:
+        return path, name
+    pname, layer = name.rsplit("_l", 1)
+    return (f"{path}.l{layer}" if path else f"l{layer}"), pname
+
+
 def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[str]) -> dict[str, torch.Tensor]:
     """The tensors of the `wanted` name suffixes (`parts`) of one call `module(*args, **kwargs)`."""
     cell, layers, dirs = _CELL[module.mode], module.num_layers, 1 + module.bidirectional

@@ -167,6 +167,31 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     return pending
 
 
+def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float = 1.0) -> list[Reading]:
+    """Layer-level readings (norm, extremes, zeros, NaN/Inf; unit axis 0) of many tensors, as a
+    per-step gradient reading takes them (`metas`: each one's layer, kind, stream, param): the CPU
+    float32 ones in one kernel batch, the others by torch kernels and one host transfer. The
+    values carry a factor `scale` (a loss scaler's), divided out."""
+    for t, meta in zip(tensors, metas):
+        check_reducible(t.is_floating_point(), t.dtype, tuple(t.shape), meta["layer"])
+    fused = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype == torch.float32] \
+        if kernel.available else []
+    out: list = [None] * len(tensors)
+    if fused:
+        data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in fused)]
+        totals = kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])
+        shaped = [dict(metas[i], shape=tuple(tensors[i].shape), unit_axis=0 if tensors[i].ndim else None,
+                       dtype="float32") for i in fused]
+        for i, r in zip(fused, Reading.from_totals(totals, shaped, scale)):
+            out[i] = r
+    rest = [i for i in range(len(tensors)) if out[i] is None]
+    pending = [reduce_tensor(tensors[i] / scale if scale != 1.0 else tensors[i], 0 if tensors[i].ndim else None,
+                             per_unit=False, histogram=False, **metas[i]) for i in rest]
+    for i, r in zip(rest, to_readings(pending)):
+        out[i] = r
+    return out
+
+
 def relu_of(source: Pending, layer: str) -> Pending:
     """The reading of relu(x), from the pass over x that was asked for it."""
     return Pending(layer, "relu", source.stream, source.dtype, source.shape, source.unit_axis,

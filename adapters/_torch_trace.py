@@ -48,6 +48,12 @@ def module_path(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
+def root_name(kind: str | None) -> str | None:
+    """The name of the model's own output when the model is one layer (a bare `nn.Linear`): its
+    kind, as exporters name a root layer; None for any other model (its output is no layer)."""
+    return kind if kind not in (None, "other") else None
+
+
 def output_tensors(output, prefix: str = ""):
     """(suffix, tensor) for every tensor in an output: a tensor, tuple, list, dict or dataclass."""
     if isinstance(output, torch.Tensor):
@@ -272,11 +278,12 @@ class ForwardTrace(TorchFunctionMode):
             read.name, read.module = (name, frame.module) if self.wanted(name, frame.module) else (None, None)
             return
         self._settle_last(frame)
-        if frame.kind is None or not frame.path:
+        base = frame.path or root_name(frame.kind)
+        if frame.kind is None or not base:
             return
         main = type(frame.module) in OPAQUE and isinstance(output, tuple)  # (output, state) or (output, weights)
         for suffix, t in output_tensors(output):
-            name = self._name(frame.path + ("" if main and suffix == ".0" else suffix))
+            name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):

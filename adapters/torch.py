@@ -26,8 +26,9 @@ import actrace
 
 from ._torch_kinds import module_kind
 from ._torch_probe import Probe
-from ._torch_reduce import Pending, all_reduce, reduce_tensor, relu_of, settle, to_readings
-from ._torch_trace import ForwardTrace, Output, output_tensors, unwrap
+from ._torch_reduce import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, settle, to_readings
+from ._torch_recurrent import param as recurrent_param
+from ._torch_trace import ForwardTrace, Output, output_tensors, root_name, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -60,7 +61,7 @@ class Monitor:
                  run: str | None = None, config: dict | None = None, include=None, exclude=None,
                  types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
-                 overwrite: bool | None = None, flush_every: int = 512, scaler=None):
+                 overwrite: bool | None = None, flush_every: int = 4096, scaler=None):
         out = out or os.environ.get("ACTRACE_OUT")
         if out is None:
             raise ValueError("Monitor needs out='runs/NAME.parquet' (or run the script under `actrace record -o ...`)")
@@ -75,10 +76,11 @@ class Monitor:
         self._trace = ForwardTrace(self.inner, self._read, self._wanted)
         self._outputs: list[tuple[Output, Pending]] = []
         self._warned: set[str] = set()
-        self.layers = {path: (m, k) for m, path in self._trace.paths.items()  # parameterized modules
-                       if path and (k := self._trace.kinds[m]) and any(True for _ in m.parameters(recurse=False))
-                       and self._wanted(path, m)}
+        self.layers = {name: (m, k) for m, path in self._trace.paths.items()  # parameterized modules
+                       if (k := self._trace.kinds[m]) and (name := path or root_name(k))
+                       and any(True for _ in m.parameters(recurse=False)) and self._wanted(name, m)}
         self.layer_index: dict[str, int] = {}
+        self._params = None
         self.mode = self._trial()
         for name in self.layers:
             self.layer_index.setdefault(name, len(self.layer_index))
@@ -259,10 +261,15 @@ class Monitor:
             all_reduce(pending)
         return self._write(step, to_readings(pending), mode=self.mode, probe_fingerprint=fingerprint)
 
-    def _parameters(self):
-        for name, (module, kind) in self.layers.items():
-            for pname, p in module.named_parameters(recurse=False):
-                yield name, kind, pname, p
+    def _parameters(self) -> list[tuple[str, str, str, nn.Parameter]]:
+        """(layer, kind, parameter name, parameter) of every selected layer's own parameters."""
+        if self._params is None:  # a recurrent module's by layer and direction: `lstm.l1` `weight_ih`
+            self._params = []
+            for name, (module, kind) in self.layers.items():
+                for pname, p in module.named_parameters(recurse=False):
+                    layer, own = recurrent_param(name, module, pname)
+                    self._params.append((layer, kind, own, p))
+        return self._params
 
     def _scale(self) -> float:
         """The factor gradients carry now: the scaler's scale, unless they were unscaled already."""
@@ -290,10 +297,10 @@ class Monitor:
                           "mon.step(step) after loss.backward() and before optimizer.zero_grad()", stacklevel=3)
             self._warned_stale = True
         self._fresh_grads = False
-        pending = [reduce_tensor(self._unscaled(p.grad), 0 if p.ndim else None, kind, layer=name,
-                                 stream="param_grad", param=pname, per_unit=False, histogram=False)
-                   for name, kind, pname, p in self._parameters() if p.grad is not None]
-        readings = to_readings(pending + self._grad_outputs)
+        grads = [(p.grad, dict(layer=name, kind=kind, stream="param_grad", param=pname))
+                 for name, kind, pname, p in self._parameters() if p.grad is not None]
+        readings = layer_readings([g for g, _ in grads], [m for _, m in grads], self._scale()) \
+            + to_readings(self._grad_outputs)
         self._grad_outputs = []
         scaled = self.scaler is not None and self.scaler.is_enabled()
         skipped = scaled and any(r.nan_count or r.inf_count for r in readings)
@@ -348,7 +355,8 @@ class Monitor:
         `failed`: the exception the run ended with, recorded in the trace's status."""
         if self.closed:
             return None
-        if failed is None and self._last_step is not None and self._last_probe != self._last_step:
+        if failed is None and self._last_step is not None and (self._last_probe is None or
+                                                               self._last_probe < self._last_step):
             self.probe_reading(self._last_step)
         self.closed = True
         for h in self._handles:

@@ -77,19 +77,27 @@ ADVICE = {
 
 
 # a recurrent gate at its bounds: what its own knobs are
-GATE_ADVICE = ("a gate pinned for every input passes or blocks everything, the same at every step: check the "
-               "gate's bias initialization (a forget-gate bias of 1 is usual) and the scale of the layer's input")
+GATE_ADVICE = ("a gate pinned for every input does the same at every step: check this gate's bias "
+               "initialization (LSTMs usually start the forget gate's at 1, the others at 0) and the scale of "
+               "the layer's input")
+# what a sigmoid gate pinned near 1, or near 0, does to its layer (PyTorch's and ONNX's formulas)
+GATE_SIDES = {
+    "forget gate": ("open (the cell never forgets)", "closed (the cell forgets every step)"),
+    "input gate": ("open (every candidate is written)", "closed (nothing new is written to the cell)"),
+    "output gate": ("open (the state shows the whole cell)", "closed (the hidden state stays near 0)"),
+    "update gate": ("at 1 (the state is copied, never updated)", "at 0 (the state is overwritten every step)"),
+    "reset gate": ("at 1 (the past state always counts)", "at 0 (the past state is ignored)"),
+}
 
 
-def _gate(what: tuple[str, str] | None) -> bool:
-    """Whether a recurrent reading (`describe`) is a gate."""
-    return what is not None and what[1].split(" of ")[0].endswith("gate")
+def _gate(what: tuple[str, str] | None) -> str | None:
+    """The gate a recurrent reading (`describe`) is ("forget gate"), or None."""
+    name = what[1].split(" of ")[0] if what else ""
+    return name if name.endswith("gate") else None
 
 
-def _finding(severity, rule, run, layer, step, evidence, score=0.0, stream="activation") -> Finding:
-    what = describe(layer) if rule in ("saturation_high", "units_pinned") else None
-    advice = GATE_ADVICE if _gate(what) else ADVICE[rule]
-    return Finding(severity, rule, run, layer, int(step), evidence, advice, float(score), stream)
+def _finding(severity, rule, run, layer, step, evidence, score=0.0, stream="activation", advice=None) -> Finding:
+    return Finding(severity, rule, run, layer, int(step), evidence, advice or ADVICE[rule], float(score), stream)
 
 
 def recent_rise(steps: np.ndarray, values: np.ndarray) -> tuple[float, int]:
@@ -116,24 +124,30 @@ def _per_layer(m: pl.DataFrame, stream: str):
         yield run, layer, g
 
 
-def _pinned(layer: str, kind: str, mean: float, share: float, t: float) -> str:
-    """The share of units pinned at a bound, said of a recurrent gate as open or closed ("forget
-    gate of layer 0 pinned open: 100% of units ≥ 0.99")."""
-    what = describe(layer)
-    bounds = KIND_BOUNDS.get(kind)
-    if not _gate(what) or bounds is None:
+def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, t: float) -> str:
+    """The share of units pinned at a bound, said of a recurrent gate as what it does ("forget
+    gate of layer 0 pinned open (the cell never forgets): 100% of units ≥ 0.99")."""
+    gate, bounds = _gate(what), KIND_BOUNDS.get(kind)
+    if gate is None or bounds is None:
         return f"{share:.0%} of units pinned at a bound"
     lo, hi = bounds
     margin = (1 - t) * max(abs(lo), abs(hi))
     if kind == "sigmoid":
-        side = ("open", f"≥ {hi - margin:.4g}") if mean > (lo + hi) / 2 else ("closed", f"≤ {lo + margin:.4g}")
-        return f"{what[1]} pinned {side[0]}: {share:.0%} of units {side[1]}"
+        high = mean > (lo + hi) / 2
+        side = GATE_SIDES.get(gate, ("at 1", "at 0"))[0 if high else 1]
+        return f"{what[1]} pinned {side}: {share:.0%} of units {'≥' if high else '≤'} " \
+               f"{hi - margin if high else lo + margin:.4g}"
     return f"{what[1]} pinned: {share:.0%} of units within {margin:.4g} of ±{hi:g}"
 
 
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
+    names = {run: set(g["layer"]) for (run,), g in m.group_by(["run"])}
     for run, layer, g in _per_layer(m, "activation"):
+        what = describe(layer, names[run])
+        if what and what[1].startswith("final"):
+            continue  # a final state is the last step of its sequence, judged there
+        advice = GATE_ADVICE if _gate(what) else None
         steps = g["step"].to_numpy()
         dead = g["dead_fraction"].fill_null(np.nan).to_numpy()
         known = ~np.isnan(dead)
@@ -159,18 +173,17 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
             elif sat[-1] > r.max_saturation:
                 start = steps[np.argmax(sat > r.max_saturation)]
                 unit = g["saturation_unit"][-1]
-                what = describe(layer)
                 out.append(_finding("warning", "saturation_high", run, layer, start,
                                     (f"{what[1]} at its bounds: " if what else "") +
                                     f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
-                                    f"{steps[-1]}", sat[-1]))
+                                    f"{steps[-1]}", sat[-1], advice=advice))
         pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
         if len(pinned) and pinned[-1] > r.max_saturation_units:
             start = steps[np.argmax(pinned > r.max_saturation_units)]
             out.append(_finding("warning", "units_pinned", run, layer, start,
-                                f"{_pinned(layer, g['kind'][0], g['mean'][-1], pinned[-1], th.sat_threshold)} for "
+                                f"{_pinned(what, g['kind'][0], g['mean'][-1], pinned[-1], th.sat_threshold)} for "
                                 f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
-                                f"step {start}", pinned[-1]))
+                                f"step {start}", pinned[-1], advice=advice))
         clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
         std = g["std"].fill_null(np.nan).to_numpy()[clean]
         mean = g["mean"].fill_null(np.nan).to_numpy()[clean]

@@ -150,11 +150,9 @@ def _comparison_html(compared: pl.DataFrame | None, per_metric: int = 5) -> str:
 def _recurrent(acts: pl.DataFrame) -> pl.DataFrame:
     """The activation readings of recurrent layers (spec §Recurrent layers: a module with a final
     hidden state `MODULE.lK.h_n`), in forward order."""
-    modules = {describe(name)[0] for name in acts["layer"].unique() if name.endswith(".h_n") and describe(name)}
-    if not modules:
-        return acts.clear()
-    own = pl.any_horizontal([pl.col("layer").str.starts_with(f"{m}.l" if m else "l") for m in modules])
-    return _compact(acts.filter(own).select("run", "layer", "layer_index", "step", "saturation_value",
+    names = set(acts["layer"])
+    own = [name for name in names if describe(name, names)]
+    return _compact(acts.filter(pl.col("layer").is_in(own)).select("run", "layer", "layer_index", "step", "saturation_value",
                                             "saturation_unit"))
 
 
@@ -209,7 +207,8 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
                 charts.layer_heatmaps(recurrent, [
                     ("saturation_value", "saturation (values)", "#d94801", "no recurrent layer in this run"),
                     ("saturation_unit", "units pinned for every input", "#7f2704", "no recurrent layer in this run")],
-                    runs, default_run=next((f.run for f in found if describe(f.layer)), first), menu="recurrent_run"))
+                    runs, default_run=next((f.run for f in found if f.layer in set(recurrent["layer"])), first),
+                    menu="recurrent_run"))
     progress("drawing trends")
     trend_src = _compact(pl.concat([_thin_steps(acts, MAX_TREND_STEPS), _thin_steps(grads, MAX_TREND_STEPS)],
                                    how="diagonal_relaxed").select(

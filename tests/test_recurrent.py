@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import actrace
+from actrace import metadata
 from actrace.adapters._torch_trace import ForwardTrace
 from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
@@ -198,9 +199,12 @@ def test_a_forget_gate_biased_six_reads_pinned_open_and_nothing_else_does(tmp_pa
     found = [f for f in findings(m) if f.layer.startswith("lstm")]
     assert [(f.rule, f.layer) for f in found] == [("saturation_high", "lstm.l0.forget_gate"),
                                                   ("units_pinned", "lstm.l0.forget_gate")]
-    assert found[1].evidence.startswith("forget gate of layer 0 pinned open: 100% of units ≥ 0.99")
-    grads = metrics(path).filter(pl.col("stream") == "param_grad")
-    assert set(grads["layer"]) == {"emb", "lstm", "head"}
+    assert found[1].evidence.startswith("forget gate of layer 0 pinned open (the cell never forgets): 100% of "
+                                        "units ≥ 0.99")
+    assert "forget gate's at 1" in found[1].advice
+    grads = actrace.read_table(path).to_pylist()
+    assert {(r["layer"], r["param"]) for r in grads if r["stream"] == "param_grad" and r["layer"].startswith("lstm")} \
+        == {("lstm.l0", p) for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}  # beside the layer's readings
 
 
 def test_a_healthy_lstm_has_no_recurrent_finding(tmp_path):
@@ -226,10 +230,9 @@ def test_scaled_up_recurrent_weights_saturate_the_hidden_state(tmp_path, scale):
     sat = m.filter(pl.col("layer") == "rnn.l0")["saturation_value"][0]
     found = [f for f in findings(m) if f.rule == "saturation_high"]
     if scale > 1:
-        assert sat > 0.3 and {f.layer for f in found} == {"rnn.l0", "rnn.l0.h_n"}
-        said = {f.layer: f.evidence for f in found}
-        assert said["rnn.l0"].startswith("hidden state of layer 0 at its bounds: ")
-        assert said["rnn.l0.h_n"].startswith("final hidden state of layer 0 at its bounds: ")
+        # the final state, the sequence's last step, is judged with its sequence: one finding
+        assert sat > 0.3 and [f.layer for f in found] == ["rnn.l0"]
+        assert found[0].evidence.startswith("hidden state of layer 0 at its bounds: ")
     else:
         assert sat < 0.01 and not found
 
@@ -379,3 +382,110 @@ def test_the_spec_names_the_gates_as_the_code_does():
 
     row = next(line for line in (SPEC / "trace-v1.md").read_text().splitlines() if line.startswith("| each gate"))
     assert all(f"`{gate}`" in row for gates in GATES.values() for gate, _ in gates)
+
+
+@pytest.mark.parametrize("bias, said", [(8.0, "update gate of layer 0 pinned at 1 (the state is copied, never updated)"),
+                                        (-8.0, "update gate of layer 0 pinned at 0 (the state is overwritten every step)")])
+def test_a_gru_gate_is_said_as_what_it_does(tmp_path, bias, said):
+    torch.manual_seed(0)
+    model = Wrap(nn.GRU(4, 8))
+    with torch.no_grad():
+        model.rnn.bias_ih_l0[8:16] = bias
+    with Monitor(model, torch.randn(10, 6, 4) * 0.1, tmp_path / "g.parquet") as mon:
+        mon.probe_reading(0)
+    (f,) = [f for f in findings(metrics(tmp_path / "g.parquet")) if f.rule == "units_pinned"]
+    assert f.layer == "rnn.l0.update_gate" and f.evidence.startswith(said + ": 100% of units")
+
+
+def test_a_plain_layer_called_l0_is_no_recurrent_state_and_a_second_call_is_named(tmp_path):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.l0 = nn.LSTM(4, 6), nn.Sigmoid()
+            with torch.no_grad():
+                self.enc.bias_ih_l0[6:12] = 9.0
+
+        def forward(self, x):
+            y, state = self.enc(x)
+            return self.l0(self.enc(y[..., :4] * 0, state)[0] * 50)
+
+    torch.manual_seed(0)
+    with Monitor(Twice(), torch.randn(5, 3, 4) * 0.1, tmp_path / "t.parquet") as mon:
+        mon.probe_reading(0)
+    said = {(f.rule, f.layer): f.evidence for f in findings(metrics(tmp_path / "t.parquet"))}
+    assert said[("saturation_high", "l0")].startswith("9")  # plain wording: no "hidden state of layer 0"
+    assert said[("units_pinned", "enc.l0.forget_gate#2")].startswith("forget gate of layer 0, call 2 pinned open")
+
+
+def test_a_probe_reading_after_the_last_step_closes_cleanly_and_a_bare_layer_is_read(tmp_path):
+    model = nn.Linear(3, 2)
+    with Monitor(model, torch.randn(4, 3), tmp_path / "c.parquet", probe_every=5) as mon:
+        for step in range(6):
+            model(torch.randn(4, 3)).sum().backward()
+            mon.step(step)
+        mon.probe_reading(6)
+    rows = actrace.read_table(tmp_path / "c.parquet").to_pylist()
+    assert metadata.read(tmp_path / "c.parquet")["status"] == "complete"
+    assert {(r["layer"], r["stream"]) for r in rows} == {("linear", "activation"), ("linear", "param_grad"),
+                                                         ("linear", "param")}
+    assert sorted({r["step"] for r in rows if r["stream"] == "activation"}) == [0, 5, 6]
+
+
+def _onnx_gru(tmp_path, outputs, reset_after, weights_computed=False):
+    """A hand-built ONNX GRU node (bidirectional, sequence_lens) on the transposed input [batch,
+    steps, features], and its probe; its weights W, R, B."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    hidden, feats, steps, batch = 5, 3, 6, 4
+    w, r, b = (rng.normal(size=s).astype(np.float32) * 0.6 for s in
+               ((2, 3 * hidden, feats), (2, 3 * hidden, hidden), (2, 6 * hidden)))
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w, "W0" if weights_computed else "W"), (r, "R"), (b, "B"))]
+    nodes = [helper.make_node("Identity", ["W0"], ["W"])] if weights_computed else []
+    nodes += [helper.make_node("Transpose", ["xb"], ["x"], perm=[1, 0, 2]),
+              helper.make_node("GRU", ["x", "W", "R", "B", "lens"], outputs, name="/enc/GRU", hidden_size=hidden,
+                               direction="bidirectional", linear_before_reset=int(reset_after)),
+              helper.make_node("Relu", [next(o for o in outputs if o)], ["out"], name="/post/Relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("xb", TensorProto.FLOAT, [None, steps, feats]),
+                                          helper.make_tensor_value_info("lens", TensorProto.INT32, [None])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], initializer=inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    x = rng.normal(size=(batch, steps, feats)).astype(np.float32)
+    lens = np.array([6, 2, 4, 5], np.int32)
+    np.savez(tmp_path / "probe.npz", xb=x, lens=lens)
+    return w, r, b, x.transpose(1, 0, 2), lens
+
+
+def test_onnx_gru_gates_follow_linear_before_reset_and_a_node_without_y_is_read(tmp_path):
+    """linear_before_reset=0 (ONNX's default): n = tanh(W x + b + R (r ⊙ h) + b'), checked by a step
+    loop over each sequence; a node whose Y is not used still gives every reading."""
+    w, r, b, x, lens = _onnx_gru(tmp_path, ["", "Yh"], reset_after=False)
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npz", tmp_path / "g.parquet", progress=False)
+    rows = {row["layer"]: row for row in actrace.read_table(tmp_path / "g.parquet").to_pylist()}
+    assert {"enc.l0.new_gate", "enc.l0_reverse.update_gate", "enc.l0", "enc.l0.h_n", "post"} <= set(rows)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    for d, name in ((0, "enc.l0"), (1, "enc.l0_reverse")):
+        (wz, wr, wh), (rz, rr, rh) = np.split(w[d], 3), np.split(r[d], 3)
+        (bz, br, bh, cz, cr, ch) = np.split(b[d], 6)
+        new = []
+        for seq in range(x.shape[1]):
+            h = np.zeros(5, np.float32)
+            order = range(lens[seq]) if d == 0 else range(lens[seq] - 1, -1, -1)
+            for t in order:
+                z, rg = sig(wz @ x[t, seq] + bz + rz @ h + cz), sig(wr @ x[t, seq] + br + rr @ h + cr)
+                n = np.tanh(wh @ x[t, seq] + bh + rh @ (rg * h) + ch)
+                new.append(n)
+                h = (1 - z) * n + z * h
+        new = np.array(new)
+        got = rows[f"{name}.new_gate"]
+        assert got["count"] == lens.sum() * 5  # padding never read
+        np.testing.assert_allclose(got["unit_max"], new.max(0), atol=1e-5)
+        np.testing.assert_allclose(np.array(got["unit_sum"]), new.sum(0), atol=1e-4)
+
+
+def test_onnx_recurrent_weights_computed_in_the_graph_are_fetched(tmp_path):
+    _onnx_gru(tmp_path, ["Y", "Yh"], reset_after=True, weights_computed=True)
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npz", tmp_path / "c.parquet", progress=False)
+    names = {row["layer"] for row in actrace.read_table(tmp_path / "c.parquet").to_pylist()}
+    assert {"enc.l0.reset_gate", "enc.l0_reverse.new_gate"} <= names

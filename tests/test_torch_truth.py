@@ -167,7 +167,7 @@ def test_activations_as_people_write_them_keep_their_units(tmp_path):
     assert dead(tmp_path / "w.parquet", "0.clamp") == [3 / 12]
 
 
-def test_recurrent_outputs_are_named_by_their_module_like_their_gradients(tmp_path):
+def test_recurrent_outputs_are_named_by_their_module_and_layer_like_their_gradients(tmp_path):
     class Tagger(nn.Module):
         def __init__(self):
             super().__init__()
@@ -181,7 +181,7 @@ def test_recurrent_outputs_are_named_by_their_module_like_their_gradients(tmp_pa
         model(torch.randn(3, 5, 4)).sum().backward()
         mon.step(0)
     acts, grads = rows(tmp_path / "r.parquet"), rows(tmp_path / "r.parquet", "param_grad")
-    assert {"gru.l0", "gru.l0.h_n", "gru.l0.update_gate", "head"} <= set(acts) and "gru" in grads
+    assert {"gru.l0", "gru.l0.h_n", "gru.l0.update_gate", "head"} <= set(acts) and "gru.l0" in grads
     assert (acts["gru.l0"]["unit_axis"], acts["gru.l0"]["units"]) == (2, 6)
 
 
