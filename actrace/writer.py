@@ -21,9 +21,13 @@ from . import metadata
 from .reduce import Reading, reduce_array
 from .table import readings_to_table
 
+# floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
+# bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
+_FLOATS = ["sum", "sumsq", "min", "max", "update_norm", "wall_time", "bound_lo", "bound_hi"] + \
+    [f"{c}.list.element" for c in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev")]
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
     "run", "layer", "kind", "stream", "param", "dtype", "mode", "probe_fingerprint"],
-    write_statistics=["run", "step", "layer", "stream"], write_page_checksum=True)
+    use_byte_stream_split=_FLOATS, write_statistics=["run", "step", "layer", "stream"], write_page_checksum=True)
 
 
 _open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
@@ -132,22 +136,31 @@ class Writer:
     def record(self, step: int, reading: Reading, *, mode: str | None = None,
                probe_fingerprint: str | None = None, layer_index: int | None = None) -> None:
         """Buffer one reading taken at `step`; flushes when the buffer or the clock says so."""
+        self.record_many(step, [reading], mode=mode, probe_fingerprint=probe_fingerprint,
+                         layer_indexes=None if layer_index is None else [layer_index])
+
+    def record_many(self, step: int, readings: list[Reading], *, mode: str | None = None,
+                    probe_fingerprint: str | None = None, layer_indexes: list[int] | None = None) -> None:
+        """Buffer readings taken together at `step` (one probe or gradient reading of a model);
+        `layer_indexes`: each one's depth, else the order layers were first recorded."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        last = self.last_step(reading)
-        if last is not None and int(step) <= last:
-            what = f"layer {reading.layer!r}, stream {reading.stream!r}" + (f", param {reading.param!r}" if reading.param else "")
-            raise ValueError(f"{self.path}: step {step} for {what} is not after step {last}, already recorded; "
-                             "a trace holds one reading per step (spec §Validity): pass a step that keeps growing "
-                             "(e.g. epoch * steps_per_epoch + i), not one that restarts each epoch")
-        self._last_step[(reading.layer, reading.stream, reading.param)] = int(step)
-        if layer_index is None:
-            layer_index = self._layer_index.setdefault(reading.layer, len(self._layer_index))
-        context = dict(run=self.run, step=int(step), layer_index=int(layer_index),
-                       mode=mode or self.mode, wall_time=time.time(),
-                       probe_fingerprint=probe_fingerprint or (
-                           self.probe_fingerprint if reading.stream in ("activation", "activation_grad") else None))
-        self._rows.append((reading, context))
+        for reading in readings:
+            last = self.last_step(reading)
+            if last is not None and int(step) <= last:
+                what = f"layer {reading.layer!r}, stream {reading.stream!r}" + (
+                    f", param {reading.param!r}" if reading.param else "")
+                raise ValueError(f"{self.path}: step {step} for {what} is not after step {last}, already recorded; "
+                                 "a trace holds one reading per step (spec §Validity): pass a step that keeps "
+                                 "growing (e.g. epoch * steps_per_epoch + i), not one that restarts each epoch")
+        if layer_indexes is None:
+            layer_indexes = [self._layer_index.setdefault(r.layer, len(self._layer_index)) for r in readings]
+        base = dict(run=self.run, step=int(step), mode=mode or self.mode, wall_time=time.time())
+        fingerprint = probe_fingerprint or self.probe_fingerprint
+        for reading, index in zip(readings, layer_indexes):
+            self._last_step[(reading.layer, reading.stream, reading.param)] = int(step)
+            self._rows.append((reading, dict(base, layer_index=int(index), probe_fingerprint=fingerprint if
+                                             reading.stream in ("activation", "activation_grad") else None)))
         if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 

@@ -256,7 +256,8 @@ def _numel(v) -> int:
 
 
 def _finish(p: Pending, v: dict) -> Reading:
-    shape = (int(v.pop("shape")[0]),) + tuple(p.shape[1:])
+    extent = int(v.pop("shape")[0])  # the batch extent, summed over merged chunks; a 0-d tensor has none
+    shape = (extent,) + tuple(p.shape[1:]) if p.shape else ()
     norm = v.pop("update_norm", None)
     return Reading.from_stats(v, shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
                               kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,

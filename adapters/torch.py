@@ -332,9 +332,8 @@ class Monitor:
                               stacklevel=3)
                 self._warned_again = True
             readings = [r for r in readings if self.writer.last_step(r) != step]
-        for r in readings:
-            index = self.layer_index.setdefault(r.layer, len(self.layer_index))
-            self.writer.record(step, r, layer_index=index, **kw)
+        indexes = [self.layer_index.setdefault(r.layer, len(self.layer_index)) for r in readings]
+        self.writer.record_many(step, readings, layer_indexes=indexes, **kw)
         return len(readings)
 
     def step(self, step: int) -> None:

@@ -1,8 +1,9 @@
 """PyTorch adapter bench, CPU, 2 threads: probe-reading and gradient-reading overhead.
 
-For four models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
-transformer encoder, d=256, on 32×128 tokens; a 2-layer LSTM, 256 wide, on 64 sequences of 50
-steps, whose gates actrace recomputes and the hooks do not see), side by side in one run:
+For five models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
+transformer encoder, d=256, on 32×128 tokens; six conv-BatchNorm blocks on a batch of 16 16×16
+images; a 2-layer LSTM, 256 wide, on 64 sequences of 50 steps, whose gates actrace recomputes and
+the hooks do not see), side by side in one run:
   - a plain `no_grad` eval forward of the probe (the reference, 1.00×);
   - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer),
     and the same without histograms (`Monitor(histogram=False)`);
@@ -10,13 +11,15 @@ steps, whose gates actrace recomputes and the hooks do not see), side by side in
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step.
-The cases take turns, round after round, and each keeps its best time (see `interleaved`).
-Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer lstm]
+The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
+the median over rounds of the two cases' times in the same round (`paired`).
+Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer cnn-bn lstm]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
@@ -48,6 +51,17 @@ def transformer():
         lambda out: out.pow(2).mean()
 
 
+def cnn_bn():
+    """Six conv → BatchNorm → ReLU blocks on 16×16 images, batch 16: many small parameter tensors,
+    where per-parameter work shows in a training step."""
+    blocks, width = [], 3
+    for out in (16, 16, 32, 32, 64, 64):
+        blocks += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+        width = out
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)), \
+        torch.randn(16, 3, 16, 16), lambda out: out.pow(2).mean()
+
+
 class Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -61,23 +75,39 @@ def lstm():
     return Recurrent(), torch.randn(64, 50, 128), lambda out: out.pow(2).mean()
 
 
-MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer, "lstm 2x256": lstm}
+MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer, "cnn-bn 6-block": cnn_bn,
+          "lstm 2x256": lstm}
 
 
-def interleaved(cases: dict, repeat: int, sync) -> dict[str, float]:
-    """Best time of each case, the cases taking turns round after round: this VM's speed drifts by
-    10-20 % over a minute, and turns spread the drift over every case alike. A case is a context
-    manager factory that sets up (and warms up) outside the timer and yields the function to time."""
-    best = dict.fromkeys(cases, float("inf"))
+def interleaved(cases: dict, repeat: int, sync, calls: int = 1) -> dict[str, list[float]]:
+    """Per case, its time per call in each round (the mean of `calls` calls), the cases taking
+    turns round after round: this VM's speed drifts by 10-20 % over a minute, and a ratio taken
+    within a round (`paired`) sees the same drift on both sides. A case is a context manager
+    factory that sets up (and warms up) outside the timer and yields the function to time."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, case in cases.items():
             with case() as fn:
                 sync()
                 t0 = time.perf_counter()
-                fn()
+                for _ in range(calls):
+                    fn()
                 sync()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+                times[name].append((time.perf_counter() - t0) / calls)
+    return times
+
+
+def _once(fn) -> float:
+    """Seconds one call takes (after a warm-up call)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - t0, 1e-6)
+
+
+def paired(times: dict[str, list[float]], case: str, reference: str) -> float:
+    """The median over rounds of case / reference, each round's pair timed side by side."""
+    return statistics.median(a / b for a, b in zip(times[case], times[reference]))
 
 
 @contextmanager
@@ -121,7 +151,7 @@ def main() -> None:
     torch.manual_seed(0)
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-    print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, best of {args.repeat}")
+    print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
     header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'per-stat':>9} {'tensorboard':>11} " \
              f"{'train ms':>9} {'+grads':>7}"
     print(header)
@@ -167,6 +197,7 @@ def main() -> None:
                     yield lambda: train_step(mon)
 
             tb = SummaryWriter(d)
+            calls = max(1, round(0.2 / _once(forward)))
             t = interleaved({
                 "forward": lambda: nullcontext(forward),
                 "actrace": monitored,
@@ -174,15 +205,15 @@ def main() -> None:
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 "+grads": watched,
-            }, args.repeat, sync)
+            }, args.repeat, sync, calls)
             slow = interleaved({"forward": lambda: nullcontext(forward),
                                 "tensorboard": lambda: hooked(forward, lambda: tensorboard_hooks(model, tb))},
-                               max(2, args.repeat // 3), sync)
+                               max(2, args.repeat // 3), sync, calls)
             tb.close()
-        base = t["forward"]
-        print(f"{name:<18} {base * 1e3:>10.1f} {t['actrace'] / base:>7.2f}x {t['no hist'] / base:>7.2f}x "
-              f"{t['per-stat'] / base:>8.2f}x {slow['tensorboard'] / slow['forward']:>10.2f}x "
-              f"{t['train'] * 1e3:>9.1f} {t['+grads'] / t['train']:>6.2f}x")
+        print(f"{name:<18} {statistics.median(t['forward']) * 1e3:>10.1f} {paired(t, 'actrace', 'forward'):>7.2f}x "
+              f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'per-stat', 'forward'):>8.2f}x "
+              f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
+              f"{paired(t, '+grads', 'train'):>6.2f}x")
 
 
 if __name__ == "__main__":

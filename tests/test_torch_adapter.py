@@ -332,3 +332,28 @@ def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli
     assert crash.returncode == 7 and "runs/b.parquet: " in crash.stderr  # closed at exit: nothing lost
     assert len(actrace.read_table(tmp_path / "runs" / "b.parquet")) == len(d)
     assert read_source(tmp_path / "runs" / "b.parquet")[1]["status"] == "closed at exit"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype):
+    """`layer_readings` (one kernel batch for CPU float32, torch kernels otherwise) against the numpy
+    reference, on hard values: NaN, ±inf, zeros, a tensor cut among threads, a 0-d one; scaled."""
+    from actrace.adapters._torch_reduce import layer_readings
+    from actrace.reduce import reference
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g).to(dtype) for shape in ((7, 3), (300, 400), (5,), ())]
+    tensors[0][1, 1], tensors[0][2, 2], tensors[0][3] = float("nan"), float("-inf"), 0.0
+    metas = [dict(layer=f"l{i}", kind="linear", stream="param_grad", param="weight") for i in range(len(tensors))]
+    for scale in (1.0, 256.0):
+        got = layer_readings(tensors, [dict(m) for m in metas], scale)
+        for t, r in zip(tensors, got):
+            x = (t.float() if dtype == torch.bfloat16 else t).numpy().astype(np.float64).reshape(1, 1, -1) / scale
+            ref = reference(x, 1, histogram=False)
+            assert (r.shape, r.unit_axis, r.units, r.count) == (tuple(t.shape), 0 if t.ndim else None,
+                                                                 t.shape[0] if t.ndim else 1, t.numel())
+            assert (r.nan_count, r.inf_count, r.zero_count) == tuple(
+                int(np.sum(ref[k])) for k in ("nan_count", "inf_count", "unit_zero"))
+            for name, col in (("sum", "unit_sum"), ("sumsq", "unit_sumsq"), ("min", "unit_min"), ("max", "unit_max")):
+                assert getattr(r, name) == pytest.approx(float(np.asarray(ref[col]).ravel()[0]), rel=1e-5, abs=1e-9)
+            assert r.unit_sum is None and r.hist is None
