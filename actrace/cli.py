@@ -40,7 +40,8 @@ class Escaped:
 
 
 EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "polars": "report", "altair": "report",
-          "vl_convert": "report"}  # module → the pyproject extra that installs it
+          "vl_convert": "report", "transformers": "hf", "accelerate": "hf",
+          "lightning": "lightning", "keras": "keras", "jax": "jax"}  # module → the pyproject extra that installs it
 
 
 def progress(message: str) -> None:

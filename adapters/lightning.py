@@ -1,0 +1,44 @@
+"""Lightning adapter: a `Callback` that records a `Trainer.fit` run through the PyTorch adapter's
+`Monitor`.
+
+    trainer = L.Trainer(callbacks=[TraceCallback(probe=x_probe, out="runs/a.parquet")])
+
+At the start of fitting a `Monitor` opens on the LightningModule (its `forward` takes the probe);
+before each optimizer step (after gradient accumulation, with gradients unscaled by Lightning's
+precision plugin) it takes the gradient reading and, every `probe_every` steps, a probe reading
+in evaluation behaviour. Under DDP every rank reads its shard of the probe and rank 0 writes. It
+closes when fitting ends, or with the exception that stopped it.
+"""
+from __future__ import annotations
+
+from lightning.pytorch import Callback
+
+from .torch import Monitor
+
+__all__ = ["TraceCallback"]
+
+
+class TraceCallback(Callback):
+    """Record probe and gradient readings of a Lightning run to `out` (default:
+    `LOG_DIR/actrace.parquet`); other options are `Monitor`'s (`include`, `histogram`, …)."""
+
+    def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
+                 **monitor_options):
+        self.probe, self.out, self.run = probe, out, run
+        self.options = dict(monitor_options, probe_every=probe_every, grad_every=grad_every)
+        self.monitor: Monitor | None = None
+
+    def on_fit_start(self, trainer, pl_module):
+        out = self.out or f"{trainer.log_dir or trainer.default_root_dir}/actrace.parquet"
+        config = {k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        self.monitor = Monitor(pl_module, self.probe, out, run=self.run, config=config, **self.options)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.monitor.step(trainer.global_step)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.monitor.close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.monitor is not None:
+            self.monitor.close(exception)
