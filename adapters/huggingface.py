@@ -18,20 +18,14 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .torch import Monitor
+from .torch import Monitor, TrainerCallbackBase
 
 __all__ = ["TraceCallback"]
 
 
-class TraceCallback(TrainerCallback):
+class TraceCallback(TrainerCallbackBase, TrainerCallback):
     """Record probe and gradient readings of a `Trainer` run to `out` (default:
     `OUTPUT_DIR/actrace.parquet`); other options are `Monitor`'s (`include`, `histogram`, …)."""
-
-    def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
-                 **monitor_options):
-        self.probe, self.out, self.run = probe, out, run
-        self.options = dict(monitor_options, probe_every=probe_every, grad_every=grad_every)
-        self.monitor: Monitor | None = None
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         collate = getattr(train_dataloader, "collate_fn", None)

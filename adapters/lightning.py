@@ -13,20 +13,14 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from .torch import Monitor
+from .torch import Monitor, TrainerCallbackBase
 
 __all__ = ["TraceCallback"]
 
 
-class TraceCallback(Callback):
+class TraceCallback(TrainerCallbackBase, Callback):
     """Record probe and gradient readings of a Lightning run to `out` (default:
     `LOG_DIR/actrace.parquet`); other options are `Monitor`'s (`include`, `histogram`, …)."""
-
-    def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
-                 **monitor_options):
-        self.probe, self.out, self.run = probe, out, run
-        self.options = dict(monitor_options, probe_every=probe_every, grad_every=grad_every)
-        self.monitor: Monitor | None = None
 
     def on_fit_start(self, trainer, pl_module):
         out = self.out or f"{trainer.log_dir or trainer.default_root_dir}/actrace.parquet"

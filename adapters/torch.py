@@ -369,6 +369,17 @@ class Monitor:
         self.close(exc)
 
 
+class TrainerCallbackBase:
+    """What a trainer's callback holds until training starts (the probe, where to write, the
+    Monitor's options), and the Monitor it then opens (`adapters/huggingface.py`, `lightning.py`)."""
+
+    def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
+                 **monitor_options):
+        self.probe, self.out, self.run = probe, out, run
+        self.options = dict(monitor_options, probe_every=probe_every, grad_every=grad_every)
+        self.monitor: Monitor | None = None
+
+
 def _signature(t: torch.Tensor) -> float:
     """A cheap summary of a tensor's values, to compare two passes."""
     if t.is_nested:
