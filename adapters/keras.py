@@ -101,7 +101,8 @@ class TraceCallback(keras.callbacks.Callback):
         self.writer.close()
 
     def probe_reading(self, step: int) -> None:
-        outputs = self.view(self.probe, training=False)
+        given = self.probe if isinstance(self.probe, (list, tuple, dict)) else [self.probe]  # as model.inputs
+        outputs = self.view(given, training=False)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         jobs = []
         for layer, out in zip(self.layers, outputs):

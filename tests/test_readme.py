@@ -35,4 +35,5 @@ def test_every_readme_code_block_runs(tmp_path):
     assert (ROOT / "actrace-demo" / "report.html").exists()
     assert {p.name for p in (tmp_path / "runs").glob("*.parquet")} == {"baseline.parquet", "teamB.parquet",
                                                                         "jax-run.parquet", "lstm.parquet",
-                                                                        "bert-hf.parquet", "lightning.parquet"}
+                                                                        "bert-hf.parquet", "lightning.parquet",
+                                                                        "keras.parquet"}
