@@ -115,8 +115,8 @@ class Op:
             found[base] = hidden
             found[f"{base}.h_n"] = y_h[d] if y_h is not None else None
             found[f"{base}.c_n"] = y_c[d] if y_c is not None else None
-        # padded: [batch, time, units], batch first as the probe's chunks are cut
-        return {s: (a.reshape(*grid, -1).swapaxes(0, 1) if grid and a.ndim == 2 and len(a) == steps * batch else a)
+        # padded: per-row readings as [batch, time, units], batch first as the probe's chunks are cut
+        return {s: (a.reshape(*grid, -1).swapaxes(0, 1) if grid and not s.endswith(("h_n", "c_n")) else a)
                 for s, a in found.items() if s in wanted and s in names and a is not None}
 
 

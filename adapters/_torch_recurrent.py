@@ -47,8 +47,7 @@ def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[s
         valid = torch.arange(int(sizes[0]))[None, :] < sizes[:, None]
     else:
         rows, top = _time_major(module, x), _time_major(module, out)
-        grid = rows.shape[:2]
-        sizes, order = torch.full((grid[0],), grid[1], dtype=torch.int64), None
+        grid, sizes, order = rows.shape[:2], None, None
         valid = torch.ones(grid, dtype=torch.bool)
         rows, top = rows.reshape(-1, rows.shape[-1]), top.reshape(-1, top.shape[-1])
     h0, c0 = _initial(module, hx, h_n, c_n, order)
@@ -84,7 +83,8 @@ def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[s
             if c_n is not None:
                 found[f"{base}.c_n"] = c_n[first + d]
         rows = seq
-    return {n: _shaped(found[n], grid) for n in wanted if found.get(n) is not None}
+    return {n: found[n] if n.endswith(("h_n", "c_n")) else _shaped(found[n], grid)
+            for n in wanted if found.get(n) is not None}
 
 
 def _time_major(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +111,4 @@ def _initial(module: nn.Module, hx, h_n: torch.Tensor, c_n, order):
 def _shaped(t: torch.Tensor, grid) -> torch.Tensor:
     """A per-row reading as [batch, time, units] where the input was padded (all rows valid): batch
     first, as the probe's chunks are cut."""
-    if grid is not None and t.dim() == 2 and t.shape[0] == grid[0] * grid[1]:
-        return t.reshape(*grid, t.shape[-1]).transpose(0, 1)
-    return t
+    return t if grid is None else t.reshape(*grid, t.shape[-1]).transpose(0, 1)

@@ -489,3 +489,9 @@ def test_onnx_recurrent_weights_computed_in_the_graph_are_fetched(tmp_path):
     record_onnx([tmp_path / "m.onnx"], tmp_path / "probe.npz", tmp_path / "c.parquet", progress=False)
     names = {row["layer"] for row in actrace.read_table(tmp_path / "c.parquet").to_pylist()}
     assert {"enc.l0.reset_gate", "enc.l0_reverse.new_gate"} <= names
+
+
+def test_a_one_step_sequence_keeps_its_shapes():
+    got = traced(Wrap(nn.LSTM(3, 4, batch_first=True)).eval(), torch.randn(5, 1, 3))
+    assert tuple(got["rnn.l0"][2].shape) == (5, 1, 4) and tuple(got["rnn.l0.forget_gate"][2].shape) == (5, 1, 4)
+    assert tuple(got["rnn.l0.h_n"][2].shape) == (5, 4) and tuple(got["rnn.l0.c_n"][2].shape) == (5, 4)
