@@ -47,6 +47,16 @@ SATURATING_SIDES = {kind: ("hi",) if kind in ("relu6", "softmax") else ("lo", "h
                     for kind, bounds in KIND_BOUNDS.items() if bounds is not None or kind == "clip"}
 # The thresholds t at which `sat_counts` counts values near each bound (spec §Columns).
 SAT_LEVELS = (0.9, 0.99, 0.999)
+# activation names as frameworks spell them (functions, the core of class names), lower case with
+# only letters and digits, and the kind each one is: every adapter's one table (`activation_kind`)
+_ACTIVATION_NAMES = {
+    "relu": "relu", "relu6": "relu6", "leakyrelu": "leaky_relu", "rrelu": "leaky_relu", "prelu": "prelu",
+    "elu": "elu", "celu": "elu", "selu": "selu", "gelu": "gelu", "gelutanh": "gelu", "silu": "silu", "swish": "silu",
+    "mish": "mish", "softplus": "softplus", "hardswish": "hard_swish", "hswish": "hard_swish",
+    "hardsilu": "hard_swish", "hardtanh": "hard_tanh", "tanh": "tanh", "softsign": "softsign", "sigmoid": "sigmoid",
+    "hardsigmoid": "hard_sigmoid", "hsigmoid": "hard_sigmoid", "softmax": "softmax", "specialexpit": "sigmoid",
+}
+ACTIVATION_KINDS = frozenset(_ACTIVATION_NAMES.values())
 RECTIFIED_KINDS = frozenset({"relu", "relu6", "clip"})
 
 _f64_list = pa.list_(pa.float64())
@@ -98,6 +108,12 @@ READING_KEY = ("run", "layer", "stream", "param", "step")  # at most one row eac
 ADDED_IN_1_1 = frozenset({"sat_counts"})  # absent from 1.0 files: read as null
 REQUIRED = frozenset(name for name, *_ in COLUMNS) - ADDED_IN_1_1
 MERGE = {name: rule for name, _, _, rule in COLUMNS}
+
+def activation_kind(name: str) -> str | None:
+    """The kind of an activation named `name` by any framework (`leaky_relu`, `LeakyReLU`'s core
+    `leakyrelu`, Keras's `hard_silu`), or None."""
+    return _ACTIVATION_NAMES.get("".join(c for c in name.lower() if c.isalnum()))
+
 
 def bounds_for(kind: str, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:
     """The saturation bounds of a layer: explicit ones (Clip) win over the kind's own."""

@@ -10,6 +10,8 @@ import re
 
 from torch import nn
 
+from actrace.schema import ACTIVATION_KINDS, activation_kind
+
 from ._torch_axes import arg as _arg
 
 _NN_ACTIVATIONS: list[tuple[type, str]] = [
@@ -26,18 +28,10 @@ _NN_LAYERS: list[tuple[tuple[type, ...], str]] = [
     ((nn.Embedding, nn.EmbeddingBag), "embedding"),
     ((nn.MultiheadAttention,), "attention"),
 ]
-# activation names, as functions (`F.gelu`, `Tensor.relu_`) and as the core of class names
-_NAMED = {
-    "relu": "relu", "relu6": "relu6", "leakyrelu": "leaky_relu", "leaky_relu": "leaky_relu", "rrelu": "leaky_relu",
-    "prelu": "prelu", "elu": "elu", "celu": "elu", "selu": "selu", "gelu": "gelu", "gelutanh": "gelu",
-    "silu": "silu", "swish": "silu", "mish": "mish", "softplus": "softplus", "hardswish": "hard_swish",
-    "hswish": "hard_swish", "hardtanh": "hard_tanh", "tanh": "tanh", "softsign": "softsign",
-    "sigmoid": "sigmoid", "hardsigmoid": "hard_sigmoid", "hsigmoid": "hard_sigmoid", "softmax": "softmax",
-    "special_expit": "sigmoid",
-}
+# an activation class name's core, between prefixes and suffixes that say nothing of the function
 _CLASS = re.compile(r"^(?:pytorch|new|fast|quick|accurate|approx(?:imate)?)?(?P<core>[a-z0-9]+?)"
                     r"(?:activation|act|layer|module|fn)?$")
-ACTIVATIONS = frozenset(_NAMED.values())
+ACTIVATIONS = ACTIVATION_KINDS
 
 # `torch.nn` modules read only at their output, their insides untraced (one op each, on its fast
 # path): the unit axis of the output (an axis, (spatial dims,) for channels, or SAME as the
@@ -71,8 +65,8 @@ def module_kind(module: nn.Module) -> str | None:
     name = type(module).__name__.lower()
     if not any(True for _ in module.children()):
         core = _CLASS.match(re.sub(r"[^a-z0-9]", "", name))
-        if core and core["core"] in _NAMED:
-            return _NAMED[core["core"]]
+        if core and activation_kind(core["core"]):
+            return activation_kind(core["core"])
     if any(True for _ in module.parameters(recurse=False)):
         return "norm" if "norm" in name else "embedding" if "embed" in name else "other"
     return None
@@ -94,7 +88,7 @@ def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[floa
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
             return "clip", (float(lo), float(hi))
         return ("relu", None) if lo == 0 and hi is None else None  # clamp(min=0) is a ReLU
-    kind = _NAMED.get(base)
+    kind = activation_kind(base)
     if kind == "hard_tanh":
         return kind, (float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
     return (kind, None) if kind else None

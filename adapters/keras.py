@@ -22,13 +22,10 @@ import numpy as np
 import actrace
 from actrace.fingerprint import fingerprint
 from actrace.reduce import reduce_arrays
+from actrace.schema import activation_kind
 
 __all__ = ["TraceCallback", "layer_kind"]
 
-_ACTIVATIONS = {"relu": "relu", "relu6": "relu6", "leaky_relu": "leaky_relu", "elu": "elu", "selu": "selu",
-                "gelu": "gelu", "silu": "silu", "swish": "silu", "mish": "mish", "softplus": "softplus",
-                "hard_silu": "hard_swish", "hard_swish": "hard_swish", "tanh": "tanh", "softsign": "softsign",
-                "sigmoid": "sigmoid", "hard_sigmoid": "hard_sigmoid", "softmax": "softmax"}
 _LAYERS = [("linear", ("Dense", "EinsumDense")),
            ("conv", ("Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
                      "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D")),
@@ -42,8 +39,8 @@ def layer_kind(layer) -> str | None:
     for a layer that is not read (dropout, pooling, reshapes, inputs)."""
     name = type(layer).__name__
     fn = getattr(getattr(layer, "activation", None), "__name__", None)
-    if name == "Activation" or fn in _ACTIVATIONS:
-        return _ACTIVATIONS.get(fn, "other")
+    if name == "Activation" or (fn and activation_kind(fn)):
+        return activation_kind(fn or "") or "other"
     if name in _NAMED_LAYERS:
         return "relu6" if name == "ReLU" and getattr(layer, "max_value", None) == 6 else _NAMED_LAYERS[name]
     return next((kind for kind, names in _LAYERS if name in names), None)
