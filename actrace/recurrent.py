@@ -41,6 +41,15 @@ def parts(cell: str, layers: int, directions: int, projected: bool = False) -> l
     return out
 
 
+def layer_of(suffix: str) -> int:
+    """The layer K of a reading's name suffix (`l1_reverse.forget_gate` → 1)."""
+    return _index(_NAME.match(suffix)["layer"])
+
+
+def _index(layer: str) -> int:
+    return int(layer.removesuffix("_reverse")[1:])
+
+
 def describe(name: str, names) -> tuple[str, str] | None:
     """(module, what) of a recurrent reading among a run's reading `names`: ("lstm", "forget gate
     of layer 0"), ("gru", "hidden state of layer 1 (reverse)"); None for any other reading. A
@@ -53,8 +62,7 @@ def describe(name: str, names) -> tuple[str, str] | None:
     base = f"{m['module']}.{m['layer']}" if m["module"] else m["layer"]
     if f"{base}.h_n" + (f"#{call}" if call else "") not in names:
         return None
-    layer = m["layer"].replace("_reverse", "")[1:]
-    where = f"layer {layer}" + (" (reverse)" if m["layer"].endswith("_reverse") else "") + \
+    where = f"layer {_index(m['layer'])}" + (" (reverse)" if m["layer"].endswith("_reverse") else "") + \
         (f", call {call}" if call else "")
     part = m["part"]
     what = {None: "hidden state", "h_n": "final hidden state", "c_n": "final cell state"}.get(

@@ -53,7 +53,7 @@ def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[s
     h0, c0 = _initial(module, hx, h_n, c_n, order)
     feeds = [torch.as_tensor(recurrent.previous(valid.numpy(), d == 1), device=rows.device) for d in range(dirs)]
     weights = len(module._flat_weights) // (layers * dirs)
-    deepest = max(int(n.split(".")[0].removesuffix("_reverse")[1:]) for n in wanted)
+    deepest = max(recurrent.layer_of(n) for n in wanted)
     found: dict[str, torch.Tensor] = {}
     for layer in range(layers):
         first = layer * dirs

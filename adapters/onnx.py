@@ -158,11 +158,12 @@ class Checkpoint:
         self.relu_of = {t.input: t for t in self.tensors if t.input in read and read[t.input].axis == t.axis}
         self.fetched = [t for t in self.tensors if t not in self.relu_of.values() and t.recurrent is None]
         # a recurrent node's readings are computed from its inputs and outputs (adapters/_onnx_recurrent.py)
-        self.recurrent = list({id(t.recurrent): t.recurrent for t in self.tensors if t.recurrent}.values())
+        ops = list({id(t.recurrent): t.recurrent for t in self.tensors if t.recurrent}.values())
+        self.recurrent = [(op, [t for t in self.tensors if t.recurrent is op]) for op in ops]  # and its readings
         self.unread = {t.name: t.recurrent.unread for t in self.tensors
                        if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
         self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
-            name for op in self.recurrent for name in op.expose()]))
+            name for op, _ in self.recurrent for name in op.expose()]))
         self.session = _session(model, self.names, self.path)
 
     def read(self, probe: dict, chunk: int = 256) -> list:
@@ -175,8 +176,7 @@ class Checkpoint:
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
             jobs = [(t, np.asarray(values[t.output])) for t in self.fetched]
-            for op in self.recurrent:
-                layers = [t for t in self.tensors if t.recurrent is op]
+            for op, layers in self.recurrent:
                 arrays = op.readings(values, {t.part for t in layers})
                 jobs += [(t, arrays[t.part]) for t in layers if t.part in arrays]
             jobs = [(t, v) for t, v in jobs if v.dtype.kind == "f" and v.size]
