@@ -7,6 +7,7 @@ parts into `NAME.parquet` atomically and removes them.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import time
@@ -67,6 +68,18 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def script_options(out, run: str | None, config: dict | None, overwrite: bool | None) -> dict:
+    """An adapter's `Writer` options, where a script run under `actrace record` leaves any of them
+    out: `ACTRACE_OUT`, `ACTRACE_RUN`, `ACTRACE_CONFIG` (merged over `config`), `ACTRACE_OVERWRITE`."""
+    out = out or os.environ.get("ACTRACE_OUT")
+    if out is None:
+        raise ValueError("a Monitor needs out='runs/NAME.parquet' (or run the script under `actrace record -o ...`)")
+    cfg = dict(config or {})
+    cfg.update(json.loads(os.environ.get("ACTRACE_CONFIG", "{}")))
+    return dict(path=out, run=run or os.environ.get("ACTRACE_RUN"), config=cfg,
+                overwrite=overwrite if overwrite is not None else os.environ.get("ACTRACE_OVERWRITE") == "1")
 
 
 class Writer:

@@ -13,9 +13,7 @@ marked `train`, with a warning naming the first layer that differed).
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
-import os
 import warnings
 from contextlib import contextmanager
 
@@ -23,6 +21,7 @@ import torch
 from torch import nn
 
 import actrace
+from actrace.writer import script_options
 
 from ._torch_kinds import module_kind
 from ._torch_probe import Probe
@@ -62,9 +61,7 @@ class Monitor:
                  types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
                  overwrite: bool | None = None, flush_every: int = 4096, scaler=None):
-        out = out or os.environ.get("ACTRACE_OUT")
-        if out is None:
-            raise ValueError("Monitor needs out='runs/NAME.parquet' (or run the script under `actrace record -o ...`)")
+        options = script_options(out, run, config, overwrite)
         self.model, self.inner = model, unwrap(model)
         self.probe_every, self.grad_every = probe_every, grad_every
         self.param_every = param_every or probe_every
@@ -84,15 +81,12 @@ class Monitor:
         self.mode = self._trial()
         for name in self.layers:
             self.layer_index.setdefault(name, len(self.layer_index))
-        cfg = dict(config or {})
-        cfg.update(json.loads(os.environ.get("ACTRACE_CONFIG", "{}")))
         self.writer = None
         if self.rank == 0:
             self.writer = actrace.Writer(
-                out, run=run or os.environ.get("ACTRACE_RUN"), framework="torch", framework_version=torch.__version__,
-                adapter="actrace.adapters.torch", config=cfg, probe_fingerprint=self._probe.fingerprint,
-                probe_size=self._probe.size, mode=self.mode, flush_every=flush_every,
-                overwrite=overwrite if overwrite is not None else os.environ.get("ACTRACE_OVERWRITE") == "1")
+                **options, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
+                probe_fingerprint=self._probe.fingerprint, probe_size=self._probe.size, mode=self.mode,
+                flush_every=flush_every)
         self._previous: dict[tuple[str, str], torch.Tensor] = {}
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
