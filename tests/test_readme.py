@@ -34,6 +34,6 @@ def test_every_readme_code_block_runs(tmp_path):
     assert ran == len(BLOCKS) - 1
     assert (ROOT / "actrace-demo" / "report.html").exists()
     assert {p.name for p in (tmp_path / "runs").glob("*.parquet")} == {"baseline.parquet", "teamB.parquet",
-                                                                        "jax-run.parquet", "lstm.parquet",
+                                                                        "mlx-run.parquet", "lstm.parquet",
                                                                         "bert-hf.parquet", "lightning.parquet",
-                                                                        "keras.parquet"}
+                                                                        "keras.parquet", "flax.parquet"}

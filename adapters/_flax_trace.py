@@ -1,0 +1,207 @@
+"""One traced probe forward of a Flax model: every module output of a known kind and every
+activation, found once in the forward's jaxpr and read from it on every later reading.
+
+The forward is traced once (`jax.make_jaxpr`) with each module call intercepted (linen:
+`nn.intercept_methods`; nnx: the module classes' `__call__`, for that trace only). A module's
+output becomes an extra result of the jaxpr; an nnx call opens a `jax.named_scope` of its name,
+as linen does itself, so every equation knows its module. Activations are found in the jaxpr, so
+a function taken before the trace (`nn.Sequential([..., nn.relu])`, `act=nn.gelu`) is found too:
+- a named call: a `jit` of an activation (`silu`, `elu`, ...) or a `custom_jvp_call` of one (`relu`);
+- the equations made inside one call of a `jax.nn` Python activation (`gelu`, `softmax`), known by
+  their tracebacks; a bare `tanh` or `logistic` (sigmoid) primitive.
+Names are the PyTorch adapter's: a module by its path (`blk.fc`), an activation as `SCOPE.FUNCTION`
+(`blk.gelu`), repeats as `#2`, `#3`. Units are on the last axis: Flax is channels last. Equations
+inside a nested jaxpr (`nn.scan`, `nn.remat`, a `jax.jit` inside the model) are not read; `unread`
+counts what is lost there.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.extend.core as jc
+
+from actrace.schema import activation_kind
+
+_MODULE_KINDS = {  # linen and nnx class names
+    "linear": ("Dense", "DenseGeneral", "Linear", "LinearGeneral", "Einsum"),
+    "conv": ("Conv", "ConvTranspose", "ConvLocal"),
+    "norm": ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm", "InstanceNorm"),
+    "embedding": ("Embed",),
+    "attention": ("MultiHeadDotProductAttention", "MultiHeadAttention", "SelfAttention"),
+    "prelu": ("PReLU",),
+}
+_KIND_OF = {name: kind for kind, names in _MODULE_KINDS.items() for name in names}
+_NN_FILE = os.path.join("jax", "_src", "nn", "functions.py")
+_PRIMITIVES = {"tanh": "tanh", "logistic": "sigmoid"}
+
+
+def module_kind(module) -> str | None:
+    """The kind of a Flax module's output, from the Flax class it is (or derives from), or None."""
+    return next((_KIND_OF[c.__name__] for c in type(module).__mro__
+                 if c.__name__ in _KIND_OF and c.__module__.startswith("flax.")), None)
+
+
+@dataclass
+class Read:
+    """One tensor of the forward to read: its reading's name and kind, and its jaxpr variable."""
+    name: str
+    kind: str
+    var: object
+
+
+@contextlib.contextmanager
+def linen_calls(found: list):
+    """Every linen module call's (path, module, output), appended to `found` as it returns."""
+    import flax.linen as nn
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__":
+            found.append((context.module.path, context.module, out))
+        return out
+
+    with nn.intercept_methods(interceptor):
+        yield
+
+
+@contextlib.contextmanager
+def nnx_calls(model, found: list):
+    """Every call of one of `model`'s nnx modules, in a named scope of its name, its (path, module,
+    output) appended to `found`. The module classes are patched for the duration only."""
+    from flax import nnx
+    paths = {id(m): path for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+    active: set[int] = set()
+    saved = {t: t.__dict__.get("__call__") for t in {type(m) for _, m in nnx.iter_graph(model)
+                                                      if isinstance(m, nnx.Module)}}
+
+    def patched(original):
+        def __call__(self, *args, **kwargs):
+            path = paths.get(id(self))
+            if path is None or id(self) in active:  # not the model's, or a subclass's super().__call__
+                return original(self, *args, **kwargs)
+            active.add(id(self))
+            try:
+                with jax.named_scope(str(path[-1]) if path else type(self).__name__):
+                    out = original(self, *args, **kwargs)
+            finally:
+                active.discard(id(self))
+            found.append((path, self, out))
+            return out
+        return __call__
+
+    for t in saved:
+        t.__call__ = patched(t.__call__)
+    try:
+        yield
+    finally:
+        for t, original in saved.items():
+            if original is None:
+                del t.__call__
+            else:
+                t.__call__ = original
+
+
+def _named(eqn) -> str | None:
+    """The activation a call equation is: `jit` of `silu`, `custom_jvp_call` of a `jit` of `relu`."""
+    name = eqn.params.get("name")
+    if eqn.primitive.name == "custom_jvp_call":
+        inner = eqn.params["call_jaxpr"].jaxpr.eqns
+        name = inner[0].params.get("name") if len(inner) == 1 else None
+    return name if isinstance(name, str) and activation_kind(name) else None
+
+
+def _python_activation(eqn):
+    """(function, call site) of the outermost `jax.nn` Python activation that made this equation."""
+    tb = eqn.source_info.traceback
+    frames = tb.frames if tb is not None else []  # innermost first
+    for i in range(len(frames) - 1, -1, -1):
+        f = frames[i]
+        if f.file_name.endswith(_NN_FILE) and activation_kind(f.function_name):
+            site = frames[i + 1] if i + 1 < len(frames) else None
+            return f.function_name, (site.file_name, site.line_num) if site else None
+    return None
+
+
+def activations(jaxpr) -> list[tuple[int, str, object]]:
+    """(equation index, function name, output variable) of each activation at the jaxpr's top level;
+    consecutive equations of one Python activation call are one activation, read at its last."""
+    out, call = [], None
+    for i, eqn in enumerate(jaxpr.eqns):
+        fname, site = _named(eqn), None
+        if fname is None:
+            made = _python_activation(eqn)
+            if made is not None:
+                fname, site = made
+            elif eqn.primitive.name in _PRIMITIVES:
+                fname = _PRIMITIVES[eqn.primitive.name]
+        if fname is not None and site is not None and (fname, site) == call:
+            out[-1] = (i, fname, eqn.outvars[0])
+        elif fname is not None:
+            out.append((i, fname, eqn.outvars[0]))
+        call = (fname, site) if site is not None else None
+    return out
+
+
+def unread(jaxpr) -> int:
+    """How many activations sit inside nested jaxprs (a scan, a remat, a jit), where none is read."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if _named(eqn) is None:
+            for sub in jc.jaxprs_in_params(eqn.params):
+                n += len(activations(sub)) + unread(sub)
+    return n
+
+
+def _scope(eqn) -> str:
+    """The module path an equation was made in: its name stack less the root module's name."""
+    return ".".join(str(eqn.source_info.name_stack).split("/")[1:])
+
+
+class ProbeTrace:
+    """The probe forward `forward(found, *args)` (which appends its module calls to `found`) traced
+    once; `reads` are its readings in forward order, those `wanted(name)`; `dropped` names module
+    outputs made inside a nested jaxpr."""
+
+    def __init__(self, forward, args, wanted=lambda name: True):
+        found, kept = [], []
+
+        def traced(*a):
+            forward(found, *a)
+            outer = getattr(jax.tree_util.tree_leaves(a)[-1], "_trace", None)
+            for path, module, out in found:
+                kind = module_kind(module)
+                if kind and isinstance(out, jax.core.Tracer) and jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
+                    kept.append((".".join(map(str, path)) or kind, kind, out))
+            inner = [k for k in kept if getattr(k[2], "_trace", None) is not outer]
+            self.dropped = [name for name, *_ in inner]
+            kept[:] = [k for k in kept if k not in inner]
+            return [out for *_, out in kept]
+
+        closed = jax.make_jaxpr(traced)(*args)
+        jaxpr = closed.jaxpr
+        made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+        found_reads = [(made.get(var, -1), name, kind, var) for (name, kind, _), var in zip(kept, jaxpr.outvars)]
+        for i, fname, var in activations(jaxpr):
+            scope = _scope(jaxpr.eqns[i])
+            found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), var))
+        counts: dict[str, int] = {}
+        self.reads, self.kinds = [], {name: kind for name, kind, _ in kept}
+        for _, base, kind, var in sorted(found_reads, key=lambda r: r[0]):
+            n = counts[base] = counts.get(base, 0) + 1
+            name = base if n == 1 else f"{base}#{n}"
+            if wanted(name):
+                self.reads.append(Read(name, kind, var))
+        self.unread = unread(jaxpr)
+        self.structure = jax.tree_util.tree_structure(args)
+        reading = jaxpr.replace(outvars=[r.var for r in self.reads])
+        self._run = jax.jit(jc.jaxpr_as_fun(jc.ClosedJaxpr(reading, closed.consts)))
+
+    def __call__(self, *args) -> list:
+        """The value of every read tensor for these arguments (the traced ones' structure)."""
+        if jax.tree_util.tree_structure(args) != self.structure:
+            raise ValueError(f"actrace: the probe forward was traced for arguments {self.structure}, "
+                             f"not {jax.tree_util.tree_structure(args)}")
+        return self._run(*jax.tree_util.tree_leaves(args))

@@ -1,0 +1,186 @@
+"""JAX / Flax adapter: `Monitor` records probe readings of a Flax model (linen or nnx) and gradient
+readings of the grads pytree, in a training loop the user writes.
+
+    monitor = Monitor(model, probe=x[:256], out="runs/flax.parquet")          # linen: params each step
+    for step in range(steps):
+        params, grads = train_step(params, batch)
+        monitor.step(step, params=params, grads=grads)
+    monitor.close()
+
+A probe reading runs the probe through a `_flax_trace.ProbeTrace`, traced once: every module of a
+known kind is read at its output (`Dense` → `linear`, `Conv` → `conv`, norms, `Embed`, attention)
+and every activation at its output (`nn.relu`, `jax.nn.gelu`, `jnp.tanh`, ..., however it was
+called), with units on the last axis. Evaluation behaviour: an nnx model is read through a copy
+in `.eval()`; a linen model is applied with `apply_kwargs` (`{"train": False}`, as the model
+takes it). Gradient readings are layer-level, one per leaf of `grads`, named by module path and
+parameter (`fc1`, `kernel`). Steps are the user's. Reductions are the core's.
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+import flax
+import jax
+import numpy as np
+
+import actrace
+from actrace.fingerprint import fingerprint
+from actrace.reduce import reduce_arrays
+from actrace.writer import script_options
+
+from ._flax_trace import ProbeTrace, linen_calls, nnx_calls
+
+__all__ = ["Monitor"]
+
+
+def _is_nnx(model) -> bool:
+    from flax import nnx
+    return isinstance(model, nnx.Module)
+
+
+def _key(k) -> str:
+    """One step of a pytree path as a name: a dict key, an attribute, an index."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _host(value) -> np.ndarray:
+    """A JAX array on the host; bfloat16 and float16 widened to float32, as the core's kernels take."""
+    x = np.asarray(value)
+    return x.astype(np.float32) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
+
+
+def leaf_names(path) -> tuple[str, str]:
+    """(layer, param) of a parameter's pytree path: `params/fc1/kernel` (linen) and
+    `fc1/kernel/value` (an nnx state) are both layer `fc1`, param `kernel`."""
+    parts = [_key(k) for k in path]
+    parts = parts[1:] if parts[:1] == ["params"] else parts
+    parts = parts[:-1] if len(parts) > 1 and parts[-1] in ("value", "raw_value") else parts
+    return ".".join(parts[:-1]) or parts[-1], parts[-1]
+
+
+class Monitor:
+    """Watch a Flax model: probe readings every `probe_every` steps, gradient readings every
+    `grad_every` steps that pass `grads`. `include`/`exclude` are glob patterns on reading names;
+    `apply_kwargs` go to a linen model's `apply` (what makes it deterministic: `train=False`)."""
+
+    def __init__(self, model, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
+                 run: str | None = None, config: dict | None = None, include=None, exclude=None,
+                 apply_kwargs: dict | None = None, histogram: bool = True, overwrite: bool | None = None):
+        self.model, self.nnx = model, _is_nnx(model)
+        self.probe = tuple(probe) if isinstance(probe, (list, tuple)) else (probe,)
+        self.probe_every, self.grad_every, self.histogram = probe_every, grad_every, histogram
+        self.apply_kwargs = dict(apply_kwargs or {})
+        self.include = [include] if isinstance(include, str) else list(include or [])
+        self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        self.writer = actrace.Writer(
+            **script_options(out, run, config, overwrite), framework="jax",
+            framework_version=f"jax {jax.__version__}, flax {flax.__version__}", adapter="actrace.adapters.flax",
+            probe_fingerprint=fingerprint({f"probe{i}": np.asarray(x) for i, x in enumerate(self.probe)}),
+            probe_size=len(self.probe[0]), mode="eval")
+        self.trace: ProbeTrace | None = None
+        self.layer_index: dict[str, int] = {}
+        self.params, self.closed, self._last_step, self._last_probe = None, False, None, None
+
+    def _wanted(self, name: str) -> bool:
+        return ((not self.include or any(fnmatch.fnmatchcase(name, p) for p in self.include))
+                and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude))
+
+    def _state(self, params):
+        """The forward's first argument: a linen model's variables, an nnx model's state."""
+        if self.nnx:
+            from flax import nnx
+            return nnx.state(self.model) if params is None else params
+        if params is None:
+            raise ValueError("actrace: a linen model's probe reading needs its parameters: "
+                             "monitor.step(step, params=params)")
+        return params if "params" in params else {"params": params}
+
+    def _forward(self, found, state, *probe):
+        """The model's probe forward with `state`, its module calls appended to `found`."""
+        if self.nnx:
+            from flax import nnx
+            model = nnx.merge(nnx.graphdef(self.model), state)
+            model.eval()
+            with nnx_calls(model, found):
+                return model(*probe)
+        with linen_calls(found):
+            return self.model.apply(state, *probe, **self.apply_kwargs)
+
+    def probe_reading(self, step: int, params=None) -> int:
+        """Record every read tensor of the model on the probe, with `params` (linen) or its state (nnx)."""
+        state = self._state(params if params is not None else self.params)
+        if self.trace is None:
+            self.trace = self._trace(state)
+        values = self.trace(state, *self.probe)
+        jobs = []
+        for read, value in zip(self.trace.reads, values):
+            x = _host(value)
+            jobs.append((x, x.ndim - 1 if x.ndim > 1 else None, read.kind,
+                         dict(layer=read.name, histogram=self.histogram)))
+        self._last_probe = step
+        return self._write(step, reduce_arrays(jobs))
+
+    def _trace(self, state) -> ProbeTrace:
+        try:
+            trace = ProbeTrace(self._forward, (state, *self.probe), self._wanted)
+        except Exception as exc:
+            hint = "" if self.nnx else (" (where it needs arguments for evaluation behaviour, pass "
+                                        "apply_kwargs={'train': False} or the like)")
+            raise RuntimeError(f"actrace: {type(self.model).__name__} does not run on the probe{hint}: {exc}") from exc
+        if trace.unread or trace.dropped:
+            warnings.warn(f"actrace: {type(self.model).__name__}: {trace.unread} activation(s) and the outputs of "
+                          f"{len(trace.dropped)} module(s) {trace.dropped[:5]} sit inside a nested computation "
+                          "(nn.scan, nn.remat, a jit inside the model) and are not read", stacklevel=4)
+        for r in trace.reads:
+            self.layer_index.setdefault(r.name, len(self.layer_index))
+        return trace
+
+    def gradient_reading(self, step: int, grads) -> int:
+        """Record each leaf of `grads` (layer-level: norm, extremes, zeros, NaN/Inf) as its module's
+        `param_grad`, of that module's kind where the probe trace knows it."""
+        if self.trace is None and (self.nnx or self.params is not None):
+            self.trace = self._trace(self._state(self.params))  # the kinds of the layers, and their order
+        kinds = self.trace.kinds if self.trace is not None else {}
+        jobs = []
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            g = _host(g)
+            layer, param = leaf_names(path)
+            if g.dtype.kind == "f" and self._wanted(layer):
+                jobs.append((g, 0 if g.ndim else None, kinds.get(layer, "other"),
+                             dict(layer=layer, stream="param_grad", param=param, per_unit=False, histogram=False)))
+        return self._write(step, reduce_arrays(jobs), mode="train")
+
+    def _write(self, step: int, readings, **kw) -> int:
+        indexes = [self.layer_index.setdefault(r.layer, len(self.layer_index)) for r in readings]
+        self.writer.record_many(step, readings, layer_indexes=indexes, **kw)
+        return len(readings)
+
+    def step(self, step: int, *, params=None, grads=None) -> None:
+        """Call once per training step: a gradient reading of `grads` and a probe reading with
+        `params` (a linen model's params or variables; an nnx model reads its own state) when due."""
+        if params is not None:
+            self.params = params
+        if step % self.probe_every == 0:
+            self.probe_reading(step)
+        if grads is not None and step % self.grad_every == 0:
+            self.gradient_reading(step, grads)
+        self._last_step = step
+
+    def close(self, failed: BaseException | None = None):
+        """A last probe reading at the last step if `probe_every` skipped it (trend rules need the end
+        of a run), then write the trace; `failed`: the exception the run ended with."""
+        if self.closed:
+            return None
+        if failed is None and self._last_step is not None and self._last_probe != self._last_step:
+            self.probe_reading(self._last_step)
+        self.closed = True
+        return self.writer.close(failed)
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)

@@ -1,0 +1,180 @@
+"""Flax linen and nnx models trained a few steps in a hand-written JAX loop: every module of a known
+kind and every activation, however called, read with its kind on the last axis; channels killed
+by construction read as dead; a NaN planted at a known layer and step read there; gradients per leaf."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import polars as pl
+import pytest
+from flax import nnx
+
+import actrace
+from actrace import metadata
+from actrace.adapters.flax import Monitor, leaf_names
+from actrace.analyzer.metrics import metrics
+from actrace.validate import validate
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="out")(nn.gelu(nn.Dense(8, name="fc")(x)))
+
+
+class CNN(nn.Module):
+    """Conv(8) → relu, a tanh and a softmax taken as values (`act=`), a Sequential holding relu6."""
+    act: callable = jnp.tanh
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv")(x))
+        x = nn.LayerNorm(name="norm")(x)
+        x = nn.Sequential([nn.Dense(6, name="proj"), nn.relu6])(x.reshape(x.shape[0], -1))
+        return nn.softmax(Head(name="head")(self.act(x)))
+
+
+def _sgd(loss, params, x, y, lr=0.05):
+    grads = jax.grad(loss)(params, x, y)
+    return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), grads
+
+
+def test_a_linen_cnn_trained_in_a_jax_loop_is_read_whole(tmp_path):
+    model = CNN()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6, 6, 3)).astype("float32"), rng.integers(0, 4, 32)
+    params = model.init(jax.random.key(0), x)["params"]
+    params["conv"]["bias"] = jnp.array([-50.0] * 3 + [0.0] * 5)  # 3 of 8 channels below zero for every input
+
+    def loss(p, x, y):
+        return -jnp.mean(jnp.log(model.apply({"params": p}, x)[jnp.arange(len(y)), y] + 1e-9))
+
+    with Monitor(model, x[:16], tmp_path / "flax.parquet", probe_every=2, run="flax") as mon:
+        for step in range(5):
+            params, grads = _sgd(loss, params, x, y)
+            mon.step(step, params=params, grads=grads)
+    out = tmp_path / "flax.parquet"
+    assert validate(out) == [] and metadata.read(out)["framework"] == "jax"
+    rows = actrace.read_table(out).to_pylist()
+    acts = {r["layer"]: (r["kind"], r["unit_axis"], r["units"]) for r in rows if r["stream"] == "activation"}
+    assert acts == {"conv": ("conv", 3, 8), "relu": ("relu", 3, 8), "norm": ("norm", 3, 8),
+                    "proj": ("linear", 1, 6), "Sequential_0.relu6": ("relu6", 1, 6),
+                    "tanh": ("tanh", 1, 6), "head.fc": ("linear", 1, 8), "head.gelu": ("gelu", 1, 8),
+                    "head.out": ("linear", 1, 4), "softmax": ("softmax", 1, 4)}
+    order = sorted({(r["layer_index"], r["layer"]) for r in rows if r["stream"] == "activation"})
+    assert [name for _, name in order] == ["conv", "relu", "norm", "proj", "Sequential_0.relu6",
+                                           "tanh", "head.fc", "head.gelu", "head.out", "softmax"]
+    m = metrics(out)
+    relu = m.filter((pl.col("layer") == "relu") & (pl.col("stream") == "activation"))
+    assert relu["step"].to_list() == [0, 2, 4] and set(relu["dead_fraction"]) == {3 / 8}
+    grads = {(r["layer"], r["param"], r["kind"]) for r in rows if r["stream"] == "param_grad"}
+    assert ("conv", "kernel", "conv") in grads and ("head.out", "bias", "linear") in grads
+    assert {r["step"] for r in rows if r["stream"] == "param_grad"} == set(range(5))
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(16, 4, rngs=rngs)])
+
+    def __call__(self, x):
+        return self.layers[0](self.bn(self.drop(nnx.relu(self.fc1(x)))))
+
+
+def test_an_nnx_model_is_read_in_eval_behaviour_and_a_planted_nan_shows_at_its_layer_and_step(tmp_path):
+    model = NNXNet(nnx.Rngs(0))
+    model.fc1.bias[...] = jnp.array([-40.0] * 5 + [0.0] * 11)  # 5 of 16 units dead
+    x = np.random.default_rng(1).normal(size=(32, 8)).astype("float32")
+    model.train()
+    with Monitor(model, x, tmp_path / "nnx.parquet", probe_every=1) as mon:
+        for step in range(4):
+            if step == 2:
+                model.layers[0].bias[...] = model.layers[0].bias[...].at[1].set(jnp.nan)  # from step 2 on
+            grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+            mon.step(step, grads=grads)
+    rows = actrace.read_table(tmp_path / "nnx.parquet").to_pylist()
+    acts = {r["layer"]: (r["kind"], r["unit_axis"]) for r in rows if r["stream"] == "activation"}
+    assert acts == {"fc1": ("linear", 1), "relu": ("relu", 1), "bn": ("norm", 1), "layers.0": ("linear", 1)}
+    nan = {(r["layer"], r["step"]) for r in rows if r["stream"] == "activation" and r["nan_count"]}
+    assert nan == {("layers.0", 2), ("layers.0", 3)}
+    m = metrics(tmp_path / "nnx.parquet").filter((pl.col("layer") == "relu") & (pl.col("stream") == "activation"))
+    assert set(m["dead_fraction"]) == {5 / 16}  # dropout off in the reading: no unit of the 11 reads dead
+    grads = {(r["layer"], r["param"]) for r in rows if r["stream"] == "param_grad"}
+    assert grads == {(layer, p) for layer in ("fc1", "bn", "layers.0") for p in ("kernel" if layer != "bn" else "scale",
+                                                                                 "bias")}
+
+
+def test_a_probe_reading_twice_gives_the_same_values_and_model_mode_is_kept(tmp_path):
+    model = NNXNet(nnx.Rngs(0))
+    model.train()
+    x = np.random.default_rng(1).normal(size=(16, 8)).astype("float32")
+    with Monitor(model, x, tmp_path / "a.parquet") as mon:
+        mon.probe_reading(0)
+        mon.probe_reading(1)
+    by_step = {}
+    for r in actrace.read_table(tmp_path / "a.parquet").to_pylist():
+        by_step.setdefault(r["step"], {})[r["layer"]] = r["unit_sum"]
+    assert by_step[0] == by_step[1]
+    assert model.drop.deterministic is False  # the reading used an eval copy; the user's model is still training
+
+
+def test_activations_inside_a_nested_computation_are_said_to_be_unread(tmp_path):
+    class Remat(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.remat(Head)(name="head")(nn.relu(nn.Dense(8, name="fc")(x)))
+
+    model, x = Remat(), np.ones((4, 5), "float32")
+    params = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"1 activation\(s\) and the outputs of 2 module\(s\) \['head.fc', 'head.out'\]"):
+        with Monitor(model, x, tmp_path / "r.parquet") as mon:
+            mon.step(0, params=params)
+    layers = {r["layer"] for r in actrace.read_table(tmp_path / "r.parquet").to_pylist()}
+    assert layers == {"fc", "relu"}
+
+
+def test_a_linen_model_that_needs_train_false_is_told_so(tmp_path):
+    class BN(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            return nn.BatchNorm(use_running_average=not train)(x)
+
+    model, x = BN(), np.ones((4, 3), "float32")
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(RuntimeError, match=r"BN does not run on the probe \(where it needs .* apply_kwargs"):
+        Monitor(model, x, tmp_path / "bad.parquet").step(0, params=variables)
+    with Monitor(model, x, tmp_path / "ok.parquet", apply_kwargs={"train": False}) as mon:
+        mon.step(0, params=variables)
+    assert {r["layer"] for r in actrace.read_table(tmp_path / "ok.parquet").to_pylist()} == {"BatchNorm_0"}
+
+
+def test_a_bfloat16_model_is_read_as_float32_values(tmp_path):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.Dense(8, dtype=jnp.bfloat16, name="fc")(x))
+
+    model, x = MLP(), np.random.default_rng(2).normal(size=(16, 4)).astype("float32")
+    params = model.init(jax.random.key(0), x)["params"]
+    params["fc"]["bias"] = jnp.array([-30.0] * 2 + [0.0] * 6)
+    with Monitor(model, x, tmp_path / "bf16.parquet") as mon:
+        mon.step(0, params=params)
+    relu = next(r for r in actrace.read_table(tmp_path / "bf16.parquet").to_pylist() if r["layer"] == "relu")
+    expect = np.asarray(model.apply({"params": params}, x), np.float32)
+    np.testing.assert_allclose(relu["unit_sum"], expect.sum(0), rtol=1e-6)
+    assert relu["unit_zero"][:2] == [16, 16]
+
+
+@pytest.mark.parametrize("path, named", [
+    (("params", "blk", "fc", "kernel"), ("blk.fc", "kernel")),
+    (("layers", 0, "bias", "value"), ("layers.0", "bias")),
+    (("scale",), ("scale", "scale")),
+])
+def test_leaf_names(path, named):
+    keys = [jax.tree_util.SequenceKey(k) if isinstance(k, int) else
+            jax.tree_util.GetAttrKey(k) if k == "value" else jax.tree_util.DictKey(k) for k in path]
+    assert leaf_names(keys) == named
