@@ -122,7 +122,7 @@ def fit(tmp_path, module, steps=5):
     return tmp_path / "lit.parquet"
 
 
-def test_a_lightning_run_is_recorded_with_its_kinds_and_killed_channels_dead(tmp_path):
+def test_a_lightning_run_is_recorded_with_its_kinds_and_killed_channels_dead(tmp_path, cli):
     path = fit(tmp_path, lit_cnn())
     assert validate(path) == []
     meta = metadata.read(path)
@@ -133,6 +133,11 @@ def test_a_lightning_run_is_recorded_with_its_kinds_and_killed_channels_dead(tmp
     relu = m.filter((pl.col("layer") == "net.1") & (pl.col("stream") == "activation"))
     assert relu["step"].to_list() == [0, 2, 4] and set(relu["dead_fraction"]) == {3 / 8}
     assert sorted(set(m.filter(pl.col("stream") == "param_grad")["step"])) == list(range(5))
+    with Monitor(lit_cnn(), torch.randn(16, 3, 8, 8), tmp_path / "loop.parquet", run="cnn-loop") as mon:
+        mon.probe_reading(0)  # the same module in a hand-written loop
+    res = cli("report", path, tmp_path / "loop.parquet", "-o", tmp_path / "r.html")
+    assert res.returncode == 0, res.stderr
+    assert all(f'"{run}"' in (tmp_path / "r.html").read_text() for run in ("lit", "cnn-loop"))
 
 
 def test_a_lightning_run_that_raises_keeps_its_readings_and_says_so(tmp_path):
