@@ -203,7 +203,8 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
     """`reduce_array(x, unit_axis, kind, **options)` of each (x, unit_axis, kind, options), the
     float32 ones in one kernel batch shared among all threads. An option `relu="NAME"` also
     gives the reading of relu(x) as layer NAME, right after x's: from x's own pass where it can
-    (float32 without NaN or Inf), else from a pass over relu(x)."""
+    (float32 without NaN or Inf), else from a pass over relu(x). An option `dtype` names the
+    framework's dtype of a tensor widened for the kernels (`bfloat16`)."""
     jobs, out = [], []
     for x, unit_axis, kind, opt in tensors:
         layer, stream = opt.get("layer", "?"), opt.get("stream", "activation")
@@ -212,7 +213,8 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
         bounds = bounds_for(kind, opt.get("bounds"))
         x3 = view3(x, unit_axis, layer)
         meta = dict(shape=np.shape(x), unit_axis=unit_axis, per_unit=opt.get("per_unit", True), layer=layer,
-                    kind=kind, stream=stream, dtype=str(np.asarray(x).dtype), bounds=bounds, param=opt.get("param"))
+                    kind=kind, stream=stream, dtype=opt.get("dtype", str(np.asarray(x).dtype)), bounds=bounds,
+                    param=opt.get("param"))
         jobs.append((x3, bounds, opt.get("histogram", True), meta, opt.get("relu")))
     fused = [i for i, job in enumerate(jobs) if kernel.available and job[0].dtype == np.float32]
     stats = dict(zip(fused, kernel.reduce_many([(np.ascontiguousarray(jobs[i][0]), centre(jobs[i][1]), jobs[i][2],

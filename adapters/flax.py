@@ -46,10 +46,13 @@ def _key(k) -> str:
     return str(k)
 
 
-def _host(value) -> np.ndarray:
-    """A JAX array on the host; bfloat16 and float16 widened to float32, as the core's kernels take."""
+def _host(value) -> tuple[np.ndarray, dict]:
+    """A JAX array on the host, bfloat16 and float16 widened to float32 for the core's kernels, and
+    the options that keep its own dtype's name in the reading."""
     x = np.asarray(value)
-    return x.astype(np.float32) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
+    if x.dtype.kind in "fV" and x.dtype.itemsize < 4:
+        return x.astype(np.float32), dict(dtype=str(x.dtype))
+    return x, {}
 
 
 def leaf_names(path) -> tuple[str, str]:
@@ -117,9 +120,9 @@ class Monitor:
         values = self.trace(state, *self.probe)
         jobs = []
         for read, value in zip(self.trace.reads, values):
-            x = _host(value)
+            x, dtype = _host(value)
             jobs.append((x, x.ndim - 1 if x.ndim > 1 else None, read.kind,
-                         dict(layer=read.name, histogram=self.histogram)))
+                         dict(layer=read.name, histogram=self.histogram, **dtype)))
         self._last_probe = step
         return self._write(step, reduce_arrays(jobs))
 
@@ -146,11 +149,11 @@ class Monitor:
         kinds = self.trace.kinds if self.trace is not None else {}
         jobs = []
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-            g = _host(g)
+            g, dtype = _host(g)
             layer, param = leaf_names(path)
             if g.dtype.kind == "f" and self._wanted(layer):
-                jobs.append((g, 0 if g.ndim else None, kinds.get(layer, "other"),
-                             dict(layer=layer, stream="param_grad", param=param, per_unit=False, histogram=False)))
+                jobs.append((g, 0 if g.ndim else None, kinds.get(layer, "other"), dict(
+                    layer=layer, stream="param_grad", param=param, per_unit=False, histogram=False, **dtype)))
         return self._write(step, reduce_arrays(jobs), mode="train")
 
     def _write(self, step: int, readings, **kw) -> int:

@@ -163,10 +163,11 @@ def test_a_bfloat16_model_is_read_as_float32_values(tmp_path):
     params["fc"]["bias"] = jnp.array([-30.0] * 2 + [0.0] * 6)
     with Monitor(model, x, tmp_path / "bf16.parquet") as mon:
         mon.step(0, params=params)
+    assert validate(tmp_path / "bf16.parquet") == []
     relu = next(r for r in actrace.read_table(tmp_path / "bf16.parquet").to_pylist() if r["layer"] == "relu")
     expect = np.asarray(model.apply({"params": params}, x), np.float32)
     np.testing.assert_allclose(relu["unit_sum"], expect.sum(0), rtol=1e-6)
-    assert relu["unit_zero"][:2] == [16, 16]
+    assert relu["unit_zero"][:2] == [16, 16] and relu["dtype"] == "bfloat16"  # the framework's name (spec)
 
 
 @pytest.mark.parametrize("path, named", [
