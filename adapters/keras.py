@@ -23,6 +23,7 @@ import actrace
 from actrace.fingerprint import fingerprint
 from actrace.reduce import reduce_arrays
 from actrace.schema import activation_kind
+from actrace.writer import script_options
 
 __all__ = ["TraceCallback", "layer_kind"]
 
@@ -60,11 +61,11 @@ class TraceCallback(keras.callbacks.Callback):
     """Record a `fit` run to `out`: a probe reading every `probe_every` batches (and at the end),
     gradient readings every `grad_every` batches where the backend keeps gradients."""
 
-    def __init__(self, probe, out, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
-                 config: dict | None = None, histogram: bool = True):
+    def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
+                 config: dict | None = None, histogram: bool = True, overwrite: bool | None = None):
         super().__init__()
         self.probe = probe if isinstance(probe, (list, tuple, dict)) else np.asarray(probe)
-        self.out, self.run, self.config, self.histogram = out, run, config, histogram
+        self.options, self.histogram = script_options(out, run, config, overwrite), histogram
         self.probe_every, self.grad_every = probe_every, grad_every
         self.writer, self.step, self._warned = None, -1, False
 
@@ -78,8 +79,8 @@ class TraceCallback(keras.callbacks.Callback):
                              f"its layers through (a subclassed model): build it with keras.Input ({exc})") from None
         arrays = self.probe if isinstance(self.probe, dict) else {"probe": self.probe}
         self.writer = actrace.Writer(
-            self.out, run=self.run, framework="keras", framework_version=f"{keras.__version__} ({keras.backend.backend()})",
-            adapter="actrace.adapters.keras", config=self.config, mode="eval",
+            **self.options, framework="keras", framework_version=f"{keras.__version__} ({keras.backend.backend()})",
+            adapter="actrace.adapters.keras", mode="eval",
             probe_fingerprint=fingerprint({k: np.asarray(v) for k, v in arrays.items()}),
             probe_size=len(next(iter(arrays.values()))))
 

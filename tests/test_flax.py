@@ -3,6 +3,8 @@ kind and every activation, however called, read with its kind on the last axis; 
 by construction read as dead; a NaN planted at a known layer and step read there; gradients per leaf."""
 from __future__ import annotations
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -179,3 +181,24 @@ def test_leaf_names(path, named):
     keys = [jax.tree_util.SequenceKey(k) if isinstance(k, int) else
             jax.tree_util.GetAttrKey(k) if k == "value" else jax.tree_util.DictKey(k) for k in path]
     assert leaf_names(keys) == named
+
+
+SCRIPT = """
+import flax.linen as nn, jax, numpy as np
+from actrace.adapters.flax import Monitor
+model, x = nn.Dense(4), np.ones((8, 3), "float32")
+params = model.init(jax.random.key(0), x)
+with Monitor(model, x) as mon:   # no out=: actrace record says where
+    mon.step(0, params=params)
+"""
+
+
+def test_a_flax_script_under_actrace_record_writes_where_it_is_told(tmp_path, cli):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    out = tmp_path / "runs" / "f.parquet"
+    res = cli("record", "-o", out, "--run", "flax-rec", "--config", "lr=0.1", "--", sys.executable, "train.py",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    meta = metadata.read(out)
+    assert meta["run_name"] == "flax-rec" and '"lr": 0.1' in meta["config"] and meta["framework"] == "jax"
+    assert [(r["layer"], r["kind"]) for r in actrace.read_table(out).to_pylist()] == [("linear", "linear")]
