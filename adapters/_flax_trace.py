@@ -3,14 +3,15 @@ activation, found once in the forward's jaxpr and read from it on every later re
 
 The forward is traced once (`jax.make_jaxpr`) with each module call intercepted (linen:
 `nn.intercept_methods`; nnx: the module classes' `__call__`, for that trace only). A module's
-output becomes an extra result of the jaxpr; an nnx call opens a `jax.named_scope` of its name,
-as linen does itself, so every equation knows its module. Activations are found in the jaxpr, so
+output becomes an extra result of the jaxpr, and each call opens a `jax.named_scope` of its path,
+so every equation knows its module. Activations are found in the jaxpr, so
 a function taken before the trace (`nn.Sequential([..., nn.relu])`, `act=nn.gelu`) is found too:
 - a named call: a `jit` of an activation (`silu`, `elu`, ...) or a `custom_jvp_call` of one (`relu`);
 - the equations made inside one call of a `jax.nn` Python activation (`gelu`, `softmax`), known by
   their tracebacks; a bare `tanh` or `logistic` (sigmoid) primitive.
 Names are the PyTorch adapter's: a module by its path (`blk.fc`), an activation as `SCOPE.FUNCTION`
-(`blk.gelu`), repeats as `#2`, `#3`. Units are on the last axis: Flax is channels last. Equations
+(`blk.gelu`), repeats as `#2`, `#3`. Units are on the last axis (Flax is channels last), or the
+last few for a `DenseGeneral` with several feature axes (attention's heads × head size). Equations
 inside a nested jaxpr (`nn.scan`, `nn.remat`, a `jax.jit` inside the model) are not read; `unread`
 counts what is lost there.
 """
@@ -44,52 +45,73 @@ def module_kind(module) -> str | None:
                  if c.__name__ in _KIND_OF and c.__module__.startswith("flax.")), None)
 
 
+def feature_axes(module) -> int:
+    """How many trailing axes of a module's output are its units: the features of a `DenseGeneral`
+    or `LinearGeneral` given as a tuple (heads, head size) are one unit each, else the last axis."""
+    features = getattr(module, "features", getattr(module, "out_features", None))
+    return len(features) if isinstance(features, (tuple, list)) and len(features) > 1 else 1
+
+
 @dataclass
 class Read:
-    """One tensor of the forward to read: its reading's name and kind, and its jaxpr variable."""
+    """One tensor of the forward to read: its reading's name and kind, its jaxpr variable, and how
+    many trailing axes hold its units."""
     name: str
     kind: str
     var: object
+    feature_axes: int = 1
+
+
+class Calls:
+    """Module calls of one forward: each runs in a named scope of its path (`MARK` + `blk.fc`), so
+    every equation knows its module, and its (path, module, output) joins `found`. A module's call
+    inside its own call (a subclass's `super().__call__`) is the same call."""
+    MARK = "actrace:"
+
+    def __init__(self):
+        self.found, self.active = [], set()
+
+    def call(self, path, module, run):
+        if id(module) in self.active:
+            return run()
+        self.active.add(id(module))
+        try:
+            with jax.named_scope(self.MARK + ".".join(map(str, path))):
+                out = run()
+        finally:
+            self.active.discard(id(module))
+        self.found.append((path, module, out))
+        return out
 
 
 @contextlib.contextmanager
-def linen_calls(found: list):
-    """Every linen module call's (path, module, output), appended to `found` as it returns."""
+def linen_calls(calls: Calls):
+    """Every linen module's `__call__`, through `calls`."""
     import flax.linen as nn
 
     def interceptor(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        if context.method_name == "__call__":
-            found.append((context.module.path, context.module, out))
-        return out
+        if context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        return calls.call(context.module.path, context.module, lambda: next_fun(*args, **kwargs))
 
     with nn.intercept_methods(interceptor):
         yield
 
 
 @contextlib.contextmanager
-def nnx_calls(model, found: list):
-    """Every call of one of `model`'s nnx modules, in a named scope of its name, its (path, module,
-    output) appended to `found`. The module classes are patched for the duration only."""
+def nnx_calls(model, calls: Calls):
+    """Every call of one of `model`'s nnx modules, through `calls`. The module classes' `__call__`
+    are patched for the duration only."""
     from flax import nnx
-    paths = {id(m): path for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
-    active: set[int] = set()
-    saved = {t: t.__dict__.get("__call__") for t in {type(m) for _, m in nnx.iter_graph(model)
-                                                      if isinstance(m, nnx.Module)}}
+    modules = [(path, m) for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    paths = {id(m): path for path, m in modules}
+    saved = {t: t.__dict__.get("__call__") for t in {type(m) for _, m in modules}}
 
     def patched(original):
         def __call__(self, *args, **kwargs):
-            path = paths.get(id(self))
-            if path is None or id(self) in active:  # not the model's, or a subclass's super().__call__
+            if id(self) not in paths:
                 return original(self, *args, **kwargs)
-            active.add(id(self))
-            try:
-                with jax.named_scope(str(path[-1]) if path else type(self).__name__):
-                    out = original(self, *args, **kwargs)
-            finally:
-                active.discard(id(self))
-            found.append((path, self, out))
-            return out
+            return calls.call(paths[id(self)], self, lambda: original(self, *args, **kwargs))
         return __call__
 
     for t in saved:
@@ -114,20 +136,21 @@ def _named(eqn) -> str | None:
 
 
 def _python_activation(eqn):
-    """(function, call site) of the outermost `jax.nn` Python activation that made this equation."""
+    """(function, call site) of the outermost `jax.nn` Python activation that made this equation; the
+    call site is the caller's code and bytecode offset, so two calls on one line differ."""
     tb = eqn.source_info.traceback
-    frames = tb.frames if tb is not None else []  # innermost first
-    for i in range(len(frames) - 1, -1, -1):
-        f = frames[i]
-        if f.file_name.endswith(_NN_FILE) and activation_kind(f.function_name):
-            site = frames[i + 1] if i + 1 < len(frames) else None
-            return f.function_name, (site.file_name, site.line_num) if site else None
+    codes, offsets = tb.raw_frames() if tb is not None else ([], [])  # innermost first
+    for i in range(len(codes) - 1, -1, -1):
+        code = codes[i]
+        if code.co_filename.endswith(_NN_FILE) and activation_kind(code.co_name):
+            return code.co_name, (id(codes[i + 1]), offsets[i + 1]) if i + 1 < len(codes) else ()
     return None
 
 
-def activations(jaxpr) -> list[tuple[int, str, object]]:
-    """(equation index, function name, output variable) of each activation at the jaxpr's top level;
-    consecutive equations of one Python activation call are one activation, read at its last."""
+def activations(jaxpr) -> list[tuple[int, str, object, object]]:
+    """(equation index, function name, input and output variable) of each activation at the jaxpr's
+    top level; consecutive equations of one Python activation call are one activation, read at its
+    last, its input the first one's."""
     out, call = [], None
     for i, eqn in enumerate(jaxpr.eqns):
         fname, site = _named(eqn), None
@@ -138,9 +161,9 @@ def activations(jaxpr) -> list[tuple[int, str, object]]:
             elif eqn.primitive.name in _PRIMITIVES:
                 fname = _PRIMITIVES[eqn.primitive.name]
         if fname is not None and site is not None and (fname, site) == call:
-            out[-1] = (i, fname, eqn.outvars[0])
+            out[-1] = (i, fname, out[-1][2], eqn.outvars[0])
         elif fname is not None:
-            out.append((i, fname, eqn.outvars[0]))
+            out.append((i, fname, eqn.invars[0] if eqn.invars else None, eqn.outvars[0]))
         call = (fname, site) if site is not None else None
     return out
 
@@ -156,8 +179,9 @@ def unread(jaxpr) -> int:
 
 
 def _scope(eqn) -> str:
-    """The module path an equation was made in: its name stack less the root module's name."""
-    return ".".join(str(eqn.source_info.name_stack).split("/")[1:])
+    """The path of the innermost module call an equation was made in (`Calls`), "" for the root."""
+    marked = [part for part in str(eqn.source_info.name_stack).split("/") if part.startswith(Calls.MARK)]
+    return marked[-1].removeprefix(Calls.MARK) if marked else ""
 
 
 class ProbeTrace:
@@ -166,34 +190,41 @@ class ProbeTrace:
     outputs made inside a nested jaxpr."""
 
     def __init__(self, forward, args, wanted=lambda name: True):
-        found, kept = [], []
+        calls, kept = Calls(), []
 
         def traced(*a):
-            forward(found, *a)
+            forward(calls, *a)
             outer = getattr(jax.tree_util.tree_leaves(a)[-1], "_trace", None)
-            for path, module, out in found:
+            self.dropped = []
+            for path, module, out in calls.found:
                 kind = module_kind(module)
                 if kind and isinstance(out, jax.core.Tracer) and jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
-                    kept.append((".".join(map(str, path)) or kind, kind, out))
-            inner = [k for k in kept if getattr(k[2], "_trace", None) is not outer]
-            self.dropped = [name for name, *_ in inner]
-            kept[:] = [k for k in kept if k not in inner]
-            return [out for *_, out in kept]
+                    name = ".".join(map(str, path)) or kind
+                    if getattr(out, "_trace", None) is outer:
+                        kept.append((name, kind, out, feature_axes(module)))
+                    elif name not in self.dropped:  # made inside a nested trace (nn.scan traces twice)
+                        self.dropped.append(name)
+            return [k[2] for k in kept]
 
         closed = jax.make_jaxpr(traced)(*args)
         jaxpr = closed.jaxpr
         made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-        found_reads = [(made.get(var, -1), name, kind, var) for (name, kind, _), var in zip(kept, jaxpr.outvars)]
-        for i, fname, var in activations(jaxpr):
+        found_reads = [(made.get(var, -1), name, kind, None, var, axes)
+                       for (name, kind, _, axes), var in zip(kept, jaxpr.outvars)]
+        for i, fname, invar, var in activations(jaxpr):
             scope = _scope(jaxpr.eqns[i])
-            found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), var))
+            found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), invar, var, 1))
         counts: dict[str, int] = {}
-        self.reads, self.kinds = [], {name: kind for name, kind, _ in kept}
-        for _, base, kind, var in sorted(found_reads, key=lambda r: r[0]):
+        axes_of: dict = {}  # an activation of a head-split output keeps its units
+        self.reads, self.kinds = [], {name: kind for name, kind, *_ in kept}
+        for _, base, kind, invar, var, axes in sorted(found_reads, key=lambda r: r[0]):
+            if invar is not None and getattr(invar, "aval", None) is not None and invar.aval.shape == var.aval.shape:
+                axes = axes_of.get(invar, 1)
+            axes_of[var] = axes
             n = counts[base] = counts.get(base, 0) + 1
             name = base if n == 1 else f"{base}#{n}"
             if wanted(name):
-                self.reads.append(Read(name, kind, var))
+                self.reads.append(Read(name, kind, var, axes))
         self.unread = unread(jaxpr)
         self.structure = jax.tree_util.tree_structure(args)
         reading = jaxpr.replace(outvars=[r.var for r in self.reads])

@@ -101,15 +101,15 @@ class Monitor:
                              "monitor.step(step, params=params)")
         return params if "params" in params else {"params": params}
 
-    def _forward(self, found, state, *probe):
-        """The model's probe forward with `state`, its module calls appended to `found`."""
+    def _forward(self, calls, state, *probe):
+        """The model's probe forward with `state`, its module calls made through `calls`."""
         if self.nnx:
             from flax import nnx
             model = nnx.merge(nnx.graphdef(self.model), state)
             model.eval()
-            with nnx_calls(model, found):
+            with nnx_calls(model, calls):
                 return model(*probe)
-        with linen_calls(found):
+        with linen_calls(calls):
             return self.model.apply(state, *probe, **self.apply_kwargs)
 
     def probe_reading(self, step: int, params=None) -> int:
@@ -121,6 +121,7 @@ class Monitor:
         jobs = []
         for read, value in zip(self.trace.reads, values):
             x, dtype = _host(value)
+            x = x.reshape(*x.shape[:-read.feature_axes], -1) if read.feature_axes > 1 else x
             jobs.append((x, x.ndim - 1 if x.ndim > 1 else None, read.kind,
                          dict(layer=read.name, histogram=self.histogram, **dtype)))
         self._last_probe = step
@@ -130,8 +131,9 @@ class Monitor:
         try:
             trace = ProbeTrace(self._forward, (state, *self.probe), self._wanted)
         except Exception as exc:
-            hint = "" if self.nnx else (" (where it needs arguments for evaluation behaviour, pass "
-                                        "apply_kwargs={'train': False} or the like)")
+            hint = "" if self.nnx else (" (give params= every collection it reads, batch_stats too, as "
+                                        "{'params': ..., 'batch_stats': ...}, and apply_kwargs= what puts it in "
+                                        "evaluation behaviour, e.g. {'train': False})")
             raise RuntimeError(f"actrace: {type(self.model).__name__} does not run on the probe{hint}: {exc}") from exc
         if trace.unread or trace.dropped:
             warnings.warn(f"actrace: {type(self.model).__name__}: {trace.unread} activation(s) and the outputs of "

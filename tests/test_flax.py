@@ -147,7 +147,7 @@ def test_a_linen_model_that_needs_train_false_is_told_so(tmp_path):
 
     model, x = BN(), np.ones((4, 3), "float32")
     variables = model.init(jax.random.key(0), x)
-    with pytest.raises(RuntimeError, match=r"BN does not run on the probe \(where it needs .* apply_kwargs"):
+    with pytest.raises(RuntimeError, match=r"BN does not run on the probe \(give params= every .* apply_kwargs="):
         Monitor(model, x, tmp_path / "bad.parquet").step(0, params=variables)
     with Monitor(model, x, tmp_path / "ok.parquet", apply_kwargs={"train": False}) as mon:
         mon.step(0, params=variables)
@@ -170,6 +170,78 @@ def test_a_bfloat16_model_is_read_as_float32_values(tmp_path):
     expect = np.asarray(model.apply({"params": params}, x), np.float32)
     np.testing.assert_allclose(relu["unit_sum"], expect.sum(0), rtol=1e-6)
     assert relu["unit_zero"][:2] == [16, 16] and relu["dtype"] == "bfloat16"  # the framework's name (spec)
+
+
+def test_flax_library_attention_and_lists_are_read_once_under_their_paths_with_heads_as_units(tmp_path):
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.SelfAttention(num_heads=4, qkv_features=32, name="sa")(x)
+            h = nn.relu(nn.DenseGeneral((2, 4), name="heads")(x)).reshape(x.shape)  # 2 × 4 units
+            return nn.gelu(nn.gelu(nn.Dense(8, name="fc")(h)))  # two calls on one line: two readings
+
+    model, x = Block(), np.random.default_rng(3).normal(size=(6, 5, 8)).astype("float32")
+    params = model.init(jax.random.key(0), x)["params"]
+    params["heads"]["bias"] = params["heads"]["bias"].at[1, 2].set(-100.0)  # one of 8 units dead
+    with Monitor(model, x, tmp_path / "att.parquet") as mon:
+        mon.step(0, params=params)
+    rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "att.parquet").to_pylist()}
+    assert list(rows) == ["sa.query", "sa.key", "sa.value", "sa.softmax", "sa.out", "sa", "heads", "relu", "fc",
+                          "gelu", "gelu#2"]
+    assert (rows["sa.query"]["units"], rows["sa.query"]["shape"]) == (32, [6, 5, 32])  # 4 heads × 8
+    assert (rows["sa.softmax"]["kind"], rows["sa.softmax"]["shape"]) == ("softmax", [6, 4, 5, 5])
+    assert rows["heads"]["units"] == rows["relu"]["units"] == 8
+    m = metrics(tmp_path / "att.parquet")
+    assert m.filter(pl.col("layer") == "relu")["dead_fraction"].to_list() == [1 / 8]
+    _, seen = model.apply({"params": params}, x, capture_intermediates=True, mutable=["intermediates"])
+    h = np.asarray(seen["intermediates"]["fc"]["__call__"][0])  # Flax's own capture
+    np.testing.assert_allclose(rows["gelu"]["unit_sum"], np.asarray(jax.nn.gelu(h)).sum((0, 1)), rtol=1e-4)
+    np.testing.assert_allclose(rows["gelu#2"]["unit_sum"], np.asarray(jax.nn.gelu(jax.nn.gelu(h))).sum((0, 1)),
+                               rtol=1e-4)
+
+
+def test_nnx_blocks_in_lists_are_named_by_their_whole_path(tmp_path):
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.gelu(self.fc(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.List([MLP(rngs), MLP(rngs)])
+            self.dec = nnx.List([MLP(rngs)])
+
+        def __call__(self, x):
+            for block in [*self.enc, *self.dec]:
+                x = block(x)
+            return x
+
+    with Monitor(Net(nnx.Rngs(0)), np.ones((2, 4), "float32"), tmp_path / "l.parquet") as mon:
+        mon.probe_reading(0)
+    assert [r["layer"] for r in actrace.read_table(tmp_path / "l.parquet").to_pylist()] == [
+        "enc.0.fc", "enc.0.gelu", "enc.1.fc", "enc.1.gelu", "dec.0.fc", "dec.0.gelu"]
+
+
+def test_a_scanned_module_is_said_to_be_unread_not_a_crash(tmp_path):
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, c, x):
+            h = nn.gelu(nn.Dense(4, name="fc")(x))
+            return c + h, h
+
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, xs):
+            scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False}, in_axes=1, out_axes=1)
+            return scan(name="cell")(jnp.zeros((xs.shape[0], 4)), xs)[1]
+
+    model, x = Scanned(), np.ones((2, 3, 4), "float32")
+    params = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"1 activation\(s\) and the outputs of 1 module\(s\) \['cell.fc'\]"):
+        with Monitor(model, x, tmp_path / "s.parquet") as mon:
+            mon.step(0, params=params)
 
 
 @pytest.mark.parametrize("path, named", [
