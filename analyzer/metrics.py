@@ -162,7 +162,8 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                                                     - (pl.col("sum").sum() / n.sum()) ** 2, pl.lit(0.0)).sqrt())
         .alias("std"),
         pl.col("min").min(), pl.col("max").max(),
-        pl.col("sumsq").sum().sqrt().alias("norm"),
+        pl.when((pl.col("nan_count") + pl.col("inf_count")).sum() == 0).then(pl.col("sumsq").sum().sqrt())
+        .otherwise(float("nan")).alias("norm"),  # the finite values' norm would read as healthy
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).max().alias("max_abs"),
         (pl.col("update_norm").pow(2).sum().sqrt() / pl.col("sumsq").sum().sqrt()).alias("update_ratio"),
         pl.col("update_norm").is_not_null().any().alias("_has_update"),

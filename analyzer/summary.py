@@ -8,8 +8,10 @@ from .metrics import METRIC_COLUMNS, last_reading
 
 
 def _fmt(v, pct: bool = False) -> str:
-    if v is None or (isinstance(v, float) and v != v):
+    if v is None:
         return "-"
+    if isinstance(v, float) and v != v:
+        return "nan"  # a NaN or Inf reading: not "does not apply"
     return f"{v:.0%}" if pct else f"{v:.3g}"
 
 
@@ -41,7 +43,7 @@ def layer_table(m: pl.DataFrame) -> str:
              f"{'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
     legend = ("  dead: share of units zero for every probe input; sparse: share of values exactly 0 (not death); "
               "sat.v / sat.u: saturated share of values / of units pinned for every input; grad: last parameter "
-              "gradient norm; - : does not apply (saturation: bounded kinds only)")
+              "gradient norm; nan: the reading held a NaN or Inf; - : does not apply (saturation: bounded kinds only)")
     lines = []
     for (run,), g in t.group_by(["run"], maintain_order=True):
         lines += [f"run {run}", header]

@@ -1,6 +1,8 @@
 """Analyzer metrics and findings on constructed pathologies; silence on a healthy run."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import polars as pl
 import pytest
@@ -121,3 +123,19 @@ def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
     t = t.append_column("new_thing", pa.array([1] * len(t))).replace_schema_metadata(meta)
     pq.write_table(t, tmp_path / "a.parquet")
     assert metrics(tmp_path / "a.parquet").height > 0
+
+
+def test_a_non_finite_gradient_has_no_norm_and_is_not_read_as_vanishing(tmp_path):
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "g.parquet", run="g") as w:
+        for step in range(4):
+            for i, layer in enumerate(("early", "late")):
+                g = rng.normal(size=(16, 16)) * 0.1
+                if step >= 2 and layer == "early":
+                    g[:] = np.nan  # every value NaN: sumsq over the finite ones would be 0
+                w.record_param_grad(step, layer, "weight", g, layer_index=i)
+    m = metrics(tmp_path / "g.parquet").filter(pl.col("layer") == "early").sort("step")
+    norms = m["grad_norm"].to_list()
+    assert all(n > 0.5 for n in norms[:2]) and all(math.isnan(n) for n in norms[2:])
+    rules = {f.rule for f in findings(metrics(tmp_path / "g.parquet"))}
+    assert "nan_inf" in rules and "vanishing_gradients" not in rules
