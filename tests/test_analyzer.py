@@ -125,7 +125,7 @@ def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
     assert metrics(tmp_path / "a.parquet").height > 0
 
 
-def test_a_non_finite_gradient_has_no_norm_and_is_not_read_as_vanishing(tmp_path):
+def test_a_non_finite_gradient_has_no_norm_and_is_not_read_as_vanishing(tmp_path, cli):
     rng = np.random.default_rng(0)
     with actrace.Writer(tmp_path / "g.parquet", run="g") as w:
         for step in range(4):
@@ -139,3 +139,6 @@ def test_a_non_finite_gradient_has_no_norm_and_is_not_read_as_vanishing(tmp_path
     assert all(n > 0.5 for n in norms[:2]) and all(math.isnan(n) for n in norms[2:])
     rules = {f.rule for f in findings(metrics(tmp_path / "g.parquet"))}
     assert "nan_inf" in rules and "vanishing_gradients" not in rules
+    early = next(line for line in cli("summary", tmp_path / "g.parquet").stdout.splitlines()
+                 if line.strip().startswith("early"))
+    assert early.split()[-1] == "nan"
