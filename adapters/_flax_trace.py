@@ -10,8 +10,9 @@ a function taken before the trace (`nn.Sequential([..., nn.relu])`, `act=nn.gelu
 - the equations made inside one call of a `jax.nn` Python activation (`gelu`, `softmax`), known by
   their tracebacks; a bare `tanh` or `logistic` (sigmoid) primitive.
 Names are the PyTorch adapter's: a module by its path (`blk.fc`), an activation as `SCOPE.FUNCTION`
-(`blk.gelu`), repeats as `#2`, `#3`. Units are on the last axis (Flax is channels last), or the
-last few for a `DenseGeneral` with several feature axes (attention's heads × head size). Equations
+(`blk.gelu`), repeats as `#2`, `#3`. Units are on the last axis (Flax is channels last), the last
+few for a `DenseGeneral` with several feature axes (attention's heads × head size), or for a
+softmax the axis it normalizes. Equations
 inside a nested jaxpr (`nn.scan`, `nn.remat`, a `jax.jit` inside the model) are not read; `unread`
 counts what is lost there.
 """
@@ -54,12 +55,13 @@ def feature_axes(module) -> int:
 
 @dataclass
 class Read:
-    """One tensor of the forward to read: its reading's name and kind, its jaxpr variable, and how
-    many trailing axes hold its units."""
+    """One tensor of the forward to read: its reading's name and kind, its jaxpr variable, how many
+    trailing axes hold its units, and which axis (of the tensor with those merged) they are."""
     name: str
     kind: str
     var: object
     feature_axes: int = 1
+    unit_axis: int | None = -1  # a softmax's own axis; None: one unit
 
 
 class Calls:
@@ -147,10 +149,11 @@ def _python_activation(eqn):
     return None
 
 
-def activations(jaxpr) -> list[tuple[int, str, object, object]]:
-    """(equation index, function name, input and output variable) of each activation at the jaxpr's
-    top level; consecutive equations of one Python activation call are one activation, read at its
-    last, its input the first one's."""
+def activations(jaxpr) -> list[list]:
+    """[equation index, function name, input, output variable, unit axis] of each activation at the
+    jaxpr's top level: consecutive equations of one Python activation call are one activation, read
+    at its last, its input the first one's. The unit axis is the last (-1), or a softmax's own (the
+    axis its `reduce_max` runs along; None if several)."""
     out, call = [], None
     for i, eqn in enumerate(jaxpr.eqns):
         fname, site = _named(eqn), None
@@ -161,9 +164,12 @@ def activations(jaxpr) -> list[tuple[int, str, object, object]]:
             elif eqn.primitive.name in _PRIMITIVES:
                 fname = _PRIMITIVES[eqn.primitive.name]
         if fname is not None and site is not None and (fname, site) == call:
-            out[-1] = (i, fname, out[-1][2], eqn.outvars[0])
+            out[-1][0], out[-1][3] = i, eqn.outvars[0]
         elif fname is not None:
-            out.append((i, fname, eqn.invars[0] if eqn.invars else None, eqn.outvars[0]))
+            out.append([i, fname, eqn.invars[0] if eqn.invars else None, eqn.outvars[0], -1])
+        if fname == "softmax" and eqn.primitive.name == "reduce_max":
+            axes = eqn.params["axes"]
+            out[-1][4] = axes[0] if len(axes) == 1 else None
         call = (fname, site) if site is not None else None
     return out
 
@@ -211,20 +217,21 @@ class ProbeTrace:
         made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
         found_reads = [(made.get(var, -1), name, kind, None, var, axes)
                        for (name, kind, _, axes), var in zip(kept, jaxpr.outvars)]
-        for i, fname, invar, var in activations(jaxpr):
+        found_reads = [(*r, -1) for r in found_reads]
+        for i, fname, invar, var, axis in activations(jaxpr):
             scope = _scope(jaxpr.eqns[i])
-            found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), invar, var, 1))
+            found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), invar, var, 1, axis))
         counts: dict[str, int] = {}
-        axes_of: dict = {}  # an activation of a head-split output keeps its units
+        axes_of: dict = {}  # an elementwise activation of a head-split output keeps its units
         self.reads, self.kinds = [], {name: kind for name, kind, *_ in kept}
-        for _, base, kind, invar, var, axes in sorted(found_reads, key=lambda r: r[0]):
-            if invar is not None and getattr(invar, "aval", None) is not None and invar.aval.shape == var.aval.shape:
+        for _, base, kind, invar, var, axes, axis in sorted(found_reads, key=lambda r: r[0]):
+            if axis == -1 and getattr(invar, "aval", None) is not None and invar.aval.shape == var.aval.shape:
                 axes = axes_of.get(invar, 1)
             axes_of[var] = axes
             n = counts[base] = counts.get(base, 0) + 1
             name = base if n == 1 else f"{base}#{n}"
             if wanted(name):
-                self.reads.append(Read(name, kind, var, axes))
+                self.reads.append(Read(name, kind, var, axes, axis))
         self.unread = unread(jaxpr)
         self.structure = jax.tree_util.tree_structure(args)
         reading = jaxpr.replace(outvars=[r.var for r in self.reads])

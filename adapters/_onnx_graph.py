@@ -69,6 +69,7 @@ class Graph:
             if t.HasField("shape"):
                 self.shape[v.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
                                       for d in t.shape.dim]
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.input_axes = dict(input_axes or {})
         self.graph_inputs = [i.name for i in g.input if i.name not in self.const]
 
@@ -250,13 +251,17 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
             kind, bounds = ACTIVATION_OPS[op], None
             if op == "Clip":
                 kind, bounds = _clip(graph, node)
+                if kind is None:
+                    continue  # a one-sided guard (F.normalize's eps), not an activation
             if op == "Softmax" and module in attention:
                 continue  # attention weights: internal to the attention block
             found.append((node, kind, module, cls, bounds))
     return _named(graph, found, attention, axes)
 
 
-def _clip(graph: Graph, node) -> tuple[str, tuple | None]:
+def _clip(graph: Graph, node) -> tuple[str | None, tuple | None]:
+    """(kind, bounds) of a Clip, as the PyTorch adapter reads a clamp: both bounds a `clip`
+    ((0, 6) a `relu6`), min 0 alone a `relu`, any other one-sided Clip a guard (kind None)."""
     from onnx import numpy_helper
 
     attrs = {a.name: a for a in node.attribute}
@@ -269,7 +274,9 @@ def _clip(graph: Graph, node) -> tuple[str, tuple | None]:
         lo, hi = vals
     if (lo, hi) == (0.0, 6.0):
         return "relu6", None
-    return ("clip", (lo, hi)) if lo is not None and hi is not None else ("other", None)
+    if lo is not None and hi is not None:
+        return "clip", (lo, hi)
+    return ("relu", None) if lo == 0.0 and hi is None else (None, None)
 
 
 def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
@@ -343,6 +350,8 @@ def _axes(graph: Graph) -> dict[str, int | None]:
         elif op in ("Gemm", "LayerNormalization") or (op == "MatMul" and len(data) == 1) or (
                 op == "Gather" and node.input[0] in graph.init and len(graph.init[node.input[0]].dims) == 2):
             axis = -1  # features last (an embedding lookup's too)
+        elif op in ("Softmax", "LogSoftmax"):
+            axis = _softmax_axis(graph, node)
         elif op in KEEP:
             axis = src
         elif op == "Transpose" and src is not None:
@@ -358,6 +367,16 @@ def _axes(graph: Graph) -> dict[str, int | None]:
         for out in node.output:
             axes[out] = axis
     return axes
+
+
+def _softmax_axis(graph: Graph, node) -> int | None:
+    """A softmax's units are the axis it normalizes: `axis` (default -1) from opset 13; before, the
+    axes from `axis` (default 1) on, flattened, which is one axis only when it is the last."""
+    attrs = {a.name: a.i for a in node.attribute}
+    if graph.opset >= 13:
+        return attrs.get("axis", -1)
+    rank = len(graph.shape.get(node.input[0]) or [])
+    return -1 if rank and attrs.get("axis", 1) % rank == rank - 1 else None
 
 
 def _kept_by(graph: Graph, node, op: str, src: int | None) -> int | None:

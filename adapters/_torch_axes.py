@@ -1,8 +1,9 @@
 """Unit axis by construction (spec §Units): which axis of a tensor computed in a forward holds the
 units, followed op by op from the op that made it. Layers that define units set it (features of
-a linear or embedding last, channels of a convolution, norm or pool on axis 1); elementwise ops
-keep it; permutes, transposes, reshapes, indexing, reductions, cat and stack move it; any other
-op loses it (`LOST`), and the reading then takes the whole tensor as one unit. Never a guess:
+a linear or embedding last, channels of a convolution, norm or pool on axis 1; a softmax's are
+the axis it normalizes, each distribution a row across them); elementwise ops keep it; permutes,
+transposes, reshapes, indexing, reductions, cat and stack move it; any other op loses it
+(`LOST`), and the reading then takes the whole tensor as one unit. Never a guess:
 a tensor with no known history (an input, a parameter) carries nothing.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ _CHANNELS = re.compile(r"^(conv\d?d|conv_transpose\dd|batch_norm|instance_norm|g
                        r"pixel_(un)?shuffle|channel_shuffle)$")
 # ops that keep their input's shape (or broadcast it) and so its axis, besides aten's pointwise ops
 _KEEP = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                   "softmax", "log_softmax", "softmin", "contiguous", "clone", "detach", "to", "float", "half",
+                   "contiguous", "clone", "detach", "to", "float", "half",
                    "bfloat16", "double", "type", "type_as", "normalize", "pad", "masked_fill", "where", "glu",
                    "cumsum", "cumprod", "flip", "roll", "repeat", "expand", "expand_as", "index_select", "narrow",
                    "chunk", "split", "tensor_split", "hardswish", "requires_grad_", "cpu", "cuda",
@@ -152,6 +153,9 @@ class Axes:
             out = out[0] if isinstance(out, tuple) else out
             spatial = re.search(r"(\d)d", name)
             return self.set(out, self.channels(out, (int(spatial[1]),)) if spatial else 1)
+        if name in ("softmax", "log_softmax", "softmin"):  # units: the axis it normalizes (spec §Units)
+            dim = arg(args, kwargs, 1, "dim")
+            return self.set(out, dim if isinstance(dim, int) else LOST)
         seen = [(t, self.known[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.known]
         if name in _MATMUL:
             return self.set(out, self._matmul(args[_MATMUL[name]] if len(args) > _MATMUL[name] else None))

@@ -122,7 +122,8 @@ class Monitor:
         for read, value in zip(self.trace.reads, values):
             x, dtype = _host(value)
             x = x.reshape(*x.shape[:-read.feature_axes], -1) if read.feature_axes > 1 else x
-            jobs.append((x, x.ndim - 1 if x.ndim > 1 else None, read.kind,
+            axis = None if read.unit_axis is None or x.ndim < 2 else read.unit_axis % x.ndim
+            jobs.append((x, axis, read.kind,
                          dict(layer=read.name, histogram=self.histogram, **dtype)))
         self._last_probe = step
         return self._write(step, reduce_arrays(jobs))

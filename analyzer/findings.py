@@ -173,9 +173,10 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
             elif sat[-1] > r.max_saturation:
                 start = steps[np.argmax(sat > r.max_saturation)]
                 unit = g["saturation_unit"][-1]
+                share = "of its distributions peaked near 1" if g["kind"][-1] == "softmax" else "of values"
                 out.append(_finding("warning", "saturation_high", run, layer, start,
                                     (f"{what[1]} at its bounds: " if what else "") +
-                                    f"{sat[-1]:.0%} of values and {unit:.0%} of units saturated at step "
+                                    f"{sat[-1]:.0%} {share} and {unit:.0%} of units saturated at step "
                                     f"{steps[-1]}", sat[-1], advice=advice))
         pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
         if len(pinned) and pinned[-1] > r.max_saturation_units:

@@ -114,7 +114,8 @@ def sparsity() -> pl.Expr:
 
 def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Expr:
     """Share of non-NaN values near a saturating bound (bounded kinds only): exact from
-    `sat_counts` at its levels, else the bins wholly within the saturated region (spec §Metrics)."""
+    `sat_counts` at its levels, else the bins wholly within the saturated region; for a softmax,
+    the share of its distributions (rows across its units) that are peaked (spec §Metrics)."""
     expr = pl.lit(None, dtype=pl.Float64)
     non_nan = pl.col("count") - pl.col("nan_count")
     for kind, lo, hi in bounded:
@@ -125,6 +126,8 @@ def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Ex
             i, n = SAT_LEVELS.index(t), len(SAT_LEVELS)
             near = pl.col("sat_counts").list.get(n + i) + (0 if upper else pl.col("sat_counts").list.get(n - 1 - i))
             share = pl.when(pl.col("sat_counts").is_not_null()).then(near / non_nan).otherwise(share)
+        if kind == "softmax":  # per distribution, not per value: at most one value of each is near 1
+            share = pl.min_horizontal(share * pl.col("units"), pl.lit(1.0))
         expr = pl.when((pl.col("kind") == kind) & (pl.col("bound_lo") == lo) & (pl.col("bound_hi") == hi)
                        ).then(share).otherwise(expr)
     return expr.alias("saturation_value")

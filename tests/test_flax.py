@@ -200,6 +200,23 @@ def test_flax_library_attention_and_lists_are_read_once_under_their_paths_with_h
                                rtol=1e-4)
 
 
+def test_a_softmax_is_read_across_the_axis_it_normalizes(tmp_path):
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # [B, C, T]
+            return nn.softmax(x, axis=1), nn.softmax(50.0 * x)
+
+    x = np.random.default_rng(4).normal(size=(5, 3, 7)).astype("float32")
+    x[:, :, 0] += 10.0  # every distribution over T peaked at t = 0
+    with Monitor(Two(), x, tmp_path / "s.parquet") as mon:
+        mon.step(0, params={})
+    rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "s.parquet").to_pylist()}
+    assert (rows["softmax"]["unit_axis"], rows["softmax"]["units"]) == (1, 3)
+    assert (rows["softmax#2"]["unit_axis"], rows["softmax#2"]["units"]) == (2, 7)
+    m = metrics(tmp_path / "s.parquet").filter(pl.col("layer") == "softmax#2")
+    assert m["saturation_value"].to_list() == [1.0] and m["saturation_unit"].to_list() == [1 / 7]
+
+
 def test_nnx_blocks_in_lists_are_named_by_their_whole_path(tmp_path):
     class MLP(nnx.Module):
         def __init__(self, rngs):

@@ -77,8 +77,21 @@ class TanhMLP(nn.Module):
         return self.net(x)
 
 
+class Softmaxes(nn.Module):
+    """A peaked softmax over features (the last axis) of normalized rows (F.normalize's clamp is a
+    guard, read by neither), and a softmax over channels (axis 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.conv = nn.Linear(8, 8), nn.Conv1d(6, 4, 1)
+
+    def forward(self, x):
+        p = torch.softmax(40.0 * F.normalize(self.fc(x), dim=-1), dim=-1)
+        return torch.softmax(self.conv(p), dim=1)
+
+
 MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16)),
-          "tanh-mlp": (TanhMLP, (64, 12))}
+          "tanh-mlp": (TanhMLP, (64, 12)), "softmax": (Softmaxes, (8, 6, 8))}
 
 
 def record_both(tmp_path, build, shape, dynamo: bool):
@@ -138,6 +151,41 @@ def test_dead_and_saturated_units_read_the_same_in_both(tmp_path):
               .sort("layer").rows() for p in paths]
     assert by_run[0] == by_run[1]
     assert ("net.1", 3 / 32, None) in by_run[0] and dict((r[0], r[2]) for r in by_run[0])["net.3"] > 0
+
+
+@pytest.mark.parametrize("opset, shape, axis, unit_axis", [(17, [5, 3, 4], 1, 1), (17, [5, 3, 4], None, 2),
+                                                         (11, [5, 3], None, 1), (11, [5, 3, 4], None, None)])
+def test_a_softmax_node_has_its_units_on_the_axis_it_normalizes(tmp_path, opset, shape, axis, unit_axis):
+    """From opset 13 `axis` (default -1); before, the axes from `axis` (default 1) on, flattened."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Softmax", ["x"], ["y"], name="/sm/Softmax", **({} if axis is None else {"axis": axis}))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape[1:]])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *shape[1:]])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), tmp_path / "m.onnx")
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).normal(size=shape).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an axis not followed is said; here it is the point
+        record_onnx([tmp_path / "m.onnx"], tmp_path / "p.npy", tmp_path / "t.parquet", progress=False)
+    assert actrace.read_table(tmp_path / "t.parquet").to_pylist()[0]["unit_axis"] == unit_axis
+
+
+@pytest.mark.parametrize("lo, hi, read", [(0.0, None, ("relu", None)), (1e-12, None, None), (-2.0, 2.0, ("clip", 2.0))])
+def test_a_one_sided_clip_is_a_relu_at_zero_and_else_a_guard(tmp_path, lo, hi, read):
+    import onnx
+    from onnx import TensorProto, helper
+
+    bounds = [helper.make_tensor(n, TensorProto.FLOAT, [], [v]) for n, v in (("lo", lo), ("hi", hi)) if v is not None]
+    nodes = [helper.make_node("Clip", ["x", "lo", "hi" if hi is not None else ""], ["c"], name="/act/Clip"),
+             helper.make_node("Tanh", ["c"], ["y"], name="/t/Tanh")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], initializer=bounds)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32))
+    record_onnx([tmp_path / "m.onnx"], tmp_path / "p.npy", tmp_path / "t.parquet", progress=False)
+    got = [(r["kind"], r["bound_hi"]) for r in actrace.read_table(tmp_path / "t.parquet").to_pylist()]
+    assert got == ([] if read is None else [read]) + [("tanh", 1.0)]
 
 
 def test_the_channel_axis_is_followed_through_an_upsample(tmp_path):

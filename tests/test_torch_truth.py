@@ -247,16 +247,52 @@ def test_an_axis_that_cannot_be_followed_is_one_unit_and_said_once(tmp_path):
 
         def forward(self, x):
             q = self.fc(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
-            return torch.softmax(q @ q.transpose(-1, -2), dim=-1)  # scores: no unit axis
+            return torch.tanh(q @ q.transpose(-1, -2))  # scores: no unit axis
 
-    with pytest.warns(UserWarning, match=r"cannot be followed.*0\.softmax") as caught:
+    with pytest.warns(UserWarning, match=r"cannot be followed.*0\.tanh") as caught:
         path = record(nn.Sequential(Heads()), torch.randn(3, 5, 8), tmp_path / "h.parquet", steps=(0, 1))
     assert sum("cannot be followed" in str(w.message) for w in caught) == 1
-    r = rows(path)["0.softmax"]
-    assert r["unit_axis"] is None and r["units"] == 1 and r["kind"] == "softmax"
-    assert rows(path, "activation")["0.softmax"]["count"] == 3 * 2 * 5 * 5
+    r = rows(path)["0.tanh"]
+    assert r["unit_axis"] is None and r["units"] == 1 and r["kind"] == "tanh"
+    assert rows(path, "activation")["0.tanh"]["count"] == 3 * 2 * 5 * 5
     assert Monitor(nn.Sequential(Heads()), torch.randn(3, 5, 8), tmp_path / "u.parquet",
-                   unit_axes={"*.softmax": 3}).close() is not None
+                   unit_axes={"*.tanh": 3}).close() is not None
+
+
+class Attention(nn.Module):
+    """Scores of normalized queries against themselves, times `sharp`. The queries of the six
+    positions are near-orthogonal (one-hot inputs, identity weights), so each query's own key
+    wins by about `sharp`: every distribution peaked when it is large, none when it is 0."""
+
+    def __init__(self, sharp: float):
+        super().__init__()
+        self.q, self.sharp = nn.Linear(8, 8), sharp
+        with torch.no_grad():
+            self.q.weight.copy_(torch.eye(8))
+            self.q.bias.zero_()
+
+    def forward(self, x):
+        q = F.normalize(self.q(x), dim=-1)
+        return F.softmax(self.sharp * (q @ q.transpose(-1, -2)), dim=-1)
+
+
+@pytest.mark.parametrize("sharp, peaked", [(50.0, 1.0), (0.0, 0.0)])
+def test_a_softmax_is_read_across_the_axis_it_normalizes_and_a_peaked_one_is_saturated(tmp_path, sharp, peaked):
+    torch.manual_seed(0)
+    x = torch.eye(8)[:6].expand(4, 6, 8) + 0.01 * torch.randn(4, 6, 8)
+    path = record(Attention(sharp), x, tmp_path / "a.parquet")
+    r = rows(path)["softmax"]
+    assert (r["unit_axis"], r["units"], r["shape"]) == (2, 6, [4, 6, 6])  # keys
+    m = metrics(path).filter(pl.col("layer") == "softmax")
+    assert m["saturation_value"].to_list() == [peaked]  # the share of distributions peaked, not of values
+    assert m["saturation_unit"].to_list() == [0.0]  # no key wins for every query
+    said = [f for f in findings(metrics(path)) if f.rule == "saturation_high"]
+    assert bool(said) == bool(peaked) and all("100% of its distributions peaked" in f.evidence for f in said)
+
+
+def test_a_softmax_over_channels_has_its_units_on_that_axis(tmp_path):
+    path = record(nn.Sequential(nn.Conv1d(3, 4, 1), nn.Softmax(dim=1)), torch.randn(2, 3, 7), tmp_path / "c.parquet")
+    assert (rows(path)["1"]["unit_axis"], rows(path)["1"]["units"]) == (1, 4)
 
 
 class OutputFirst(nn.Module):
