@@ -231,9 +231,9 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
     if not pending:
         return []
     settle(pending)
-    if not any(_on_device(v) for p in pending for v in p.stats.values()):
-        return [_finish(p, {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in p.stats.items()})
-                for p in pending]  # on the host already: nothing to batch
+    if not any(_on_device(v) for p in pending for v in p.stats.values()):  # on the host: nothing to batch,
+        return [_finish(p, {k: np.asarray(v).reshape(-1) for k, v in p.stats.items()})  # nor to convert
+                for p in pending]
     dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
     flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
     host = torch.cat(flat).cpu().numpy()

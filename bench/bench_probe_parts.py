@@ -1,0 +1,111 @@
+"""Where a PyTorch probe reading's time goes, CPU, 2 threads: the bench models of `bench_torch.py`,
+each case timed in turn round after round, as a paired median ratio to a plain `no_grad` forward.
+  - trace:         the forward under actrace's trace (TorchFunctionMode, module hooks, unit axes),
+                   every read tensor handed to a sink that drops it;
+  - trace+kernel:  the same, the sink running the fused C kernel on each tensor as a reading does
+                   (histogram, per-unit sums, a following ReLU from the same pass), nothing else;
+  - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
+  - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
+                   layer-level totals, the writer's buffer), and the same without histograms.
+(trace+kernel − trace) − kernel alone is what the reductions cost inside the forward beyond their
+own time; reading − (trace+kernel) is the Python around them.
+Run: .venv/bin/python bench/bench_probe_parts.py [--repeat N] [--models mlp cnn transformer]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import tempfile
+from contextlib import contextmanager
+
+import torch
+
+from actrace import kernel
+from actrace.adapters.torch import Monitor
+from bench_torch import MODELS, interleaved, paired
+
+
+def kernel_call(out):
+    """The kernel pass a reading makes of one traced output (None for a ReLU read from its input's)."""
+    if out.relu_of is not None or out.tensor.dtype != torch.float32:
+        return None
+    x = out.tensor.detach().contiguous()
+    axis = out.axis
+    view = x.view(math.prod(x.shape[:axis]), x.shape[axis], -1) if axis is not None else x.view(1, 1, -1)
+    return view.numpy(), out.feeds_relu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cols = ["trace", "trace+kernel", "kernel alone", "reading", "no hist"]
+    print(f"paired medians of {args.repeat} rounds, ratio to a plain forward\n{'model':<14} {'forward ms':>10} "
+          + " ".join(f"{c:>13}" for c in cols))
+    for name, build in MODELS.items():
+        if name.split()[0] not in args.models:
+            continue
+        torch.manual_seed(0)
+        model, probe, _ = build()
+        model.eval()
+        with tempfile.TemporaryDirectory() as d:
+            mon = Monitor(model, probe, f"{d}/a.parquet", flush_every=10_000_000)
+            quiet = Monitor(model, probe, f"{d}/b.parquet", flush_every=10_000_000, histogram=False)
+            steps, kept = itertools.count(), []
+
+            def traced(sink):
+                def run():
+                    mon._trace.sink, own = sink, mon._trace.sink
+                    try:
+                        with torch.no_grad(), mon._trace:
+                            model(probe)
+                    finally:
+                        mon._trace.sink = own
+                return run
+
+            def drop(out):
+                out.tensor = None
+
+            def reduce(out):
+                call = kernel_call(out)
+                if call is not None:
+                    kernel.reduce_f32(call[0], 0.0, True, call[1])
+
+            def keep(out):
+                call = kernel_call(out)
+                if call is not None:
+                    kept.append(call)
+
+            traced(keep)()
+
+            def alone():
+                for x3, relu in kept:
+                    kernel.reduce_f32(x3, 0.0, True, relu)
+
+            def forward():
+                with torch.no_grad():
+                    model(probe)
+
+            def case(fn):
+                @contextmanager
+                def warm():
+                    fn()
+                    yield fn
+                return warm
+
+            times = interleaved({"forward": case(forward), "trace": case(traced(drop)),
+                                 "trace+kernel": case(traced(reduce)), "kernel alone": case(alone),
+                                 "reading": case(lambda: mon.probe_reading(next(steps))),
+                                 "no hist": case(lambda: quiet.probe_reading(next(steps)))}, args.repeat, lambda: None)
+            mon.close()
+            quiet.close()
+        print(f"{name:<14} {statistics.median(times['forward']) * 1e3:>10.1f} "
+              + " ".join(f"{paired(times, c, 'forward'):>12.3f}x" for c in cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
