@@ -4,6 +4,8 @@ each case timed in turn round after round, as a paired median ratio to a plain `
                    every read tensor handed to a sink that drops it;
   - trace+kernel:  the same, the sink running the fused C kernel on each tensor as a reading does
                    (histogram, per-unit sums, a following ReLU from the same pass), nothing else;
+  - trace, batch:  the same kernel passes as one batch after the forward (the tensors held until
+                   then), as a reading could make them where nothing changes a tensor in place;
   - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
   - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
                    layer-level totals, the writer's buffer), and the same without histograms.
@@ -43,7 +45,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cols = ["trace", "trace+kernel", "kernel alone", "reading", "no hist"]
+    cols = ["trace", "trace+kernel", "trace, batch", "kernel alone", "reading", "no hist"]
     print(f"paired medians of {args.repeat} rounds, ratio to a plain forward\n{'model':<14} {'forward ms':>10} "
           + " ".join(f"{c:>13}" for c in cols))
     for name, build in MODELS.items():
@@ -81,6 +83,17 @@ def main() -> None:
                     kept.append(call)
 
             traced(keep)()
+            batch = []
+
+            def queue(out):
+                call = kernel_call(out)
+                if call is not None:
+                    batch.append(call)
+
+            def batched():
+                batch.clear()
+                traced(queue)()
+                kernel.reduce_many([(x3, 0.0, True, relu) for x3, relu in batch])
 
             def alone():
                 for x3, relu in kept:
@@ -99,6 +112,7 @@ def main() -> None:
 
             times = interleaved({"forward": case(forward), "trace": case(traced(drop)),
                                  "trace+kernel": case(traced(reduce)), "kernel alone": case(alone),
+                                 "trace, batch": case(batched),
                                  "reading": case(lambda: mon.probe_reading(next(steps))),
                                  "no hist": case(lambda: quiet.probe_reading(next(steps)))}, args.repeat, lambda: None)
             mon.close()
