@@ -10,6 +10,8 @@ they cannot be followed the reading is one unit (`axis` None), never a guess.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import dataclass
 
 from ._onnx_recurrent import OPS as RECURRENT_OPS
@@ -76,6 +78,21 @@ class Graph:
     def is_const(self, name: str) -> bool:
         n = self.producer.get(name)
         return name in self.const or (n is not None and n.op_type == "Identity" and self.is_const(n.input[0]))
+
+    def constant(self, name: str):
+        """The value of a constant tensor (an initializer, a `Constant` node's, or an Identity of
+        either) as a numpy array, else None."""
+        from onnx import helper, numpy_helper
+
+        if name in self.init:
+            return numpy_helper.to_array(self.init[name])
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Identity":
+            return self.constant(n.input[0])
+        if n is not None and n.op_type == "Constant" and n.attribute:
+            value = helper.get_attribute_value(n.attribute[0])
+            return numpy_helper.to_array(value) if hasattr(value, "dims") else np.asarray(value)
+        return None
 
     def data_inputs(self, node) -> list[str]:
         return [i for i in node.input if i and not self.is_const(i)]
@@ -262,16 +279,12 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
 def _clip(graph: Graph, node) -> tuple[str | None, tuple | None]:
     """(kind, bounds) of a Clip, as the PyTorch adapter reads a clamp: both bounds a `clip`
     ((0, 6) a `relu6`), min 0 alone a `relu`, any other one-sided Clip a guard (kind None)."""
-    from onnx import numpy_helper
-
     attrs = {a.name: a for a in node.attribute}
     if "min" in attrs or "max" in attrs:  # opset < 11
         lo, hi = (attrs["min"].f if "min" in attrs else None), (attrs["max"].f if "max" in attrs else None)
     else:
-        vals = []
-        for name in list(node.input[1:3]) + [""] * (3 - len(node.input)):
-            vals.append(float(numpy_helper.to_array(graph.init[name])) if name in graph.init else None)
-        lo, hi = vals
+        values = [graph.constant(name) if name else None for name in (list(node.input[1:3]) + ["", ""])[:2]]
+        lo, hi = (None if v is None else float(v) for v in values)
     if (lo, hi) == (0.0, 6.0):
         return "relu6", None
     if lo is not None and hi is not None:
@@ -402,17 +415,16 @@ def _kept_by(graph: Graph, node, op: str, src: int | None) -> int | None:
 
 def _axes_attr(graph: Graph, node, rank: int | None, pos: int) -> bool:
     """Whether the axes a Reduce*/Slice node acts on are known and leave out `pos`."""
-    from onnx import numpy_helper
-
     attrs = {a.name: a for a in node.attribute}
     if "axes" in attrs:
         axes = list(attrs["axes"].ints)
     else:
         name = node.input[3] if node.op_type == "Slice" and len(node.input) > 3 else \
             node.input[1] if node.op_type != "Slice" and len(node.input) > 1 else ""
-        if name not in graph.init:
+        value = graph.constant(name) if name else None
+        if value is None:
             return False
-        axes = numpy_helper.to_array(graph.init[name]).reshape(-1).tolist()
+        axes = value.reshape(-1).tolist()
     return bool(rank) and pos not in [a % rank for a in axes]
 
 
