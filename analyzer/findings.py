@@ -166,7 +166,7 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
         sat = g["saturation_value"].fill_null(np.nan).to_numpy()
         if len(sat) and not np.isnan(sat).all():
             jumps = np.diff(sat)
-            if len(jumps) and np.nanmax(jumps) >= r.saturation_spike:
+            if len(jumps) and not np.isnan(jumps).all() and np.nanmax(jumps) >= r.saturation_spike:
                 i = int(np.nanargmax(jumps)) + 1
                 out.append(_finding("warning", "saturation_spike", run, layer, steps[i],
                                     f"saturation jumped from {sat[i - 1]:.0%} to {sat[i]:.0%}", jumps[i - 1]))

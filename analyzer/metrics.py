@@ -127,10 +127,17 @@ def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Ex
             near = pl.col("sat_counts").list.get(n + i) + (0 if upper else pl.col("sat_counts").list.get(n - 1 - i))
             share = pl.when(pl.col("sat_counts").is_not_null()).then(near / non_nan).otherwise(share)
         if kind == "softmax":  # per distribution, not per value: at most one value of each is near 1
-            share = pl.min_horizontal(share * pl.col("units"), pl.lit(1.0))
+            share = pl.when(share.is_not_nan()).then(pl.min_horizontal(share * pl.col("units"), pl.lit(1.0))
+                                                     ).otherwise(share)  # no value to read stays NaN or null
         expr = pl.when((pl.col("kind") == kind) & (pl.col("bound_lo") == lo) & (pl.col("bound_hi") == hi)
                        ).then(share).otherwise(expr)
     return expr.alias("saturation_value")
+
+
+def l2_norm(sumsq: pl.Expr, non_finite: pl.Expr) -> pl.Expr:
+    """sqrt(sumsq), NaN where the tensor held a NaN or Inf: `sumsq` leaves them out, and the finite
+    values' norm would read as healthy, or as vanishing (spec §Metrics)."""
+    return pl.when(non_finite == 0).then(sumsq.sqrt()).otherwise(float("nan"))
 
 
 def moments() -> list[pl.Expr]:
@@ -147,7 +154,7 @@ def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.Lazy
         (pl.col("dead_units") / pl.col("units")).alias("dead_fraction"), sparsity(),
         saturation_value(th.sat_threshold, bound_pairs),
         (pl.col("pinned_units") / pl.col("units")).alias("saturation_unit"), *moments(), "min", "max",
-        pl.col("sumsq").sqrt().alias("norm"),
+        l2_norm(pl.col("sumsq"), pl.col("nan_count") + pl.col("inf_count")).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
         "nan_count", "inf_count",
     )
@@ -165,10 +172,10 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
                                                     - (pl.col("sum").sum() / n.sum()) ** 2, pl.lit(0.0)).sqrt())
         .alias("std"),
         pl.col("min").min(), pl.col("max").max(),
-        pl.when((pl.col("nan_count") + pl.col("inf_count")).sum() == 0).then(pl.col("sumsq").sum().sqrt())
-        .otherwise(float("nan")).alias("norm"),  # the finite values' norm would read as healthy
+        l2_norm(pl.col("sumsq").sum(), (pl.col("nan_count") + pl.col("inf_count")).sum()).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).max().alias("max_abs"),
-        (pl.col("update_norm").pow(2).sum().sqrt() / pl.col("sumsq").sum().sqrt()).alias("update_ratio"),
+        (pl.col("update_norm").pow(2).sum().sqrt()
+         / l2_norm(pl.col("sumsq").sum(), (pl.col("nan_count") + pl.col("inf_count")).sum())).alias("update_ratio"),
         pl.col("update_norm").is_not_null().any().alias("_has_update"),
         pl.col("nan_count").sum(), pl.col("inf_count").sum(),
     ).with_columns(pl.when(pl.col("_has_update")).then(pl.col("update_ratio")).alias("update_ratio")

@@ -82,6 +82,25 @@ def test_a_wide_near_uniform_softmax_is_not_saturated_and_a_peaked_one_is(tmp_pa
     assert act(peaked, "0")["saturation_value"] > 0.5 > (p >= 0.99).mean()  # per value it would read < 1/200
 
 
+def test_a_softmax_with_no_value_to_read_has_no_saturation_and_a_nan_gradient_no_norm(tmp_path):
+    rng = np.random.default_rng(3)
+    p = np.exp(rng.normal(size=(32, 5)))
+    p /= p.sum(1, keepdims=True)
+    with actrace.Writer(tmp_path / "s.parquet", run="s") as w:
+        w.record_activation(0, "probs", p, kind="softmax")
+        w.record_activation(1, "probs", np.full((32, 5), np.nan), kind="softmax")  # diverged
+        w.record_activation(0, "quiet", p, kind="softmax", histogram=False)
+        w.record_activation_grad(0, "probs", np.full((32, 5), np.nan), kind="softmax")
+    m = metrics(tmp_path / "s.parquet").sort("layer", "stream", "step")
+    probs = m.filter((pl.col("layer") == "probs") & (pl.col("stream") == "activation"))
+    assert probs["saturation_value"][0] == 0.0 and np.isnan(probs["saturation_value"][1])  # not 100 %
+    assert not [f for f in findings(m) if f.rule.startswith("saturation")]
+    quiet = metrics(tmp_path / "s.parquet", Thresholds(sat_threshold=0.95)).filter(pl.col("layer") == "quiet")
+    assert quiet["saturation_value"].to_list() == [None]  # no histogram, no count at 0.95: nothing to say
+    grad = m.filter(pl.col("stream") == "activation_grad")
+    assert np.isnan(grad["norm"][0]) and np.isnan(grad["grad_norm"][0])
+
+
 def tanh_with_pinned_units(n_pinned: int) -> nn.Module:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 20), nn.Tanh())
