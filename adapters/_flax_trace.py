@@ -38,6 +38,7 @@ _MODULE_KINDS = {  # linen and nnx class names
 _KIND_OF = {name: kind for kind, names in _MODULE_KINDS.items() for name in names}
 _NN_FILE = os.path.join("jax", "_src", "nn", "functions.py")
 _PRIMITIVES = {"tanh": "tanh", "logistic": "sigmoid"}
+_NN_FUNCTIONS = frozenset(name for name in dir(jax.nn) if not name.startswith("_"))
 
 
 def module_kind(module) -> str | None:
@@ -138,14 +139,16 @@ def _named(eqn) -> str | None:
 
 
 def _python_activation(eqn):
-    """(function, call site) of the outermost `jax.nn` Python activation that made this equation; the
-    call site is the caller's code and bytecode offset, so two calls on one line differ."""
+    """(function, call site, offset) of the outermost `jax.nn` Python activation that made this
+    equation: the call site is the caller's code and bytecode offset, so two calls on one line
+    differ; the offset within the function only grows along one call, so a loop's next call shows."""
     tb = eqn.source_info.traceback
     codes, offsets = tb.raw_frames() if tb is not None else ([], [])  # innermost first
     for i in range(len(codes) - 1, -1, -1):
         code = codes[i]
         if code.co_filename.endswith(_NN_FILE) and activation_kind(code.co_name):
-            return code.co_name, (id(codes[i + 1]), offsets[i + 1]) if i + 1 < len(codes) else ()
+            site = (id(codes[i + 1]), offsets[i + 1]) if i + 1 < len(codes) else ()
+            return code.co_name, site, offsets[i]
     return None
 
 
@@ -156,29 +159,32 @@ def activations(jaxpr) -> list[list]:
     axis its `reduce_max` runs along; None if several)."""
     out, call = [], None
     for i, eqn in enumerate(jaxpr.eqns):
-        fname, site = _named(eqn), None
+        fname, site, offset = _named(eqn), None, -1
         if fname is None:
             made = _python_activation(eqn)
             if made is not None:
-                fname, site = made
+                fname, site, offset = made
             elif eqn.primitive.name in _PRIMITIVES:
                 fname = _PRIMITIVES[eqn.primitive.name]
-        if fname is not None and site is not None and (fname, site) == call:
+        if fname is not None and site is not None and call is not None and call[:2] == (fname, site) \
+                and offset >= call[2]:
             out[-1][0], out[-1][3] = i, eqn.outvars[0]
         elif fname is not None:
-            out.append([i, fname, eqn.invars[0] if eqn.invars else None, eqn.outvars[0], -1])
+            x = next((v for v in eqn.invars if not isinstance(v, jc.Literal)), None)
+            out.append([i, fname, x, eqn.outvars[0], -1])
         if fname == "softmax" and eqn.primitive.name == "reduce_max":
             axes = eqn.params["axes"]
             out[-1][4] = axes[0] if len(axes) == 1 else None
-        call = (fname, site) if site is not None else None
+        call = (fname, site, offset) if site is not None else None
     return out
 
 
 def unread(jaxpr) -> int:
-    """How many activations sit inside nested jaxprs (a scan, a remat, a jit), where none is read."""
+    """How many activations sit inside nested jaxprs (a scan, a remat, a jit), where none is read;
+    the body of a `jax.nn` function (`glu`'s sigmoid) is that function's, not a layer's."""
     n = 0
     for eqn in jaxpr.eqns:
-        if _named(eqn) is None:
+        if _named(eqn) is None and eqn.params.get("name") not in _NN_FUNCTIONS:
             for sub in jc.jaxprs_in_params(eqn.params):
                 n += len(activations(sub)) + unread(sub)
     return n

@@ -78,10 +78,11 @@ class Monitor:
         self.apply_kwargs = dict(apply_kwargs or {})
         self.include = [include] if isinstance(include, str) else list(include or [])
         self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        arrays = {f"probe{i}": np.asarray(x) for i, x in enumerate(self.probe)}
         self.writer = actrace.Writer(
             **script_options(out, run, config, overwrite), framework="jax",
             framework_version=f"jax {jax.__version__}, flax {flax.__version__}", adapter="actrace.adapters.flax",
-            probe_fingerprint=fingerprint({f"probe{i}": np.asarray(x) for i, x in enumerate(self.probe)}),
+            probe_fingerprint=fingerprint(arrays, {k: str(a.dtype) for k, a in arrays.items() if a.dtype.kind == "V"}),
             probe_size=len(self.probe[0]), mode="eval")
         self.trace: ProbeTrace | None = None
         self.layer_index: dict[str, int] = {}

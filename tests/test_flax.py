@@ -4,6 +4,7 @@ by construction read as dead; a NaN planted at a known layer and step read there
 from __future__ import annotations
 
 import sys
+import warnings
 
 import flax.linen as nn
 import jax
@@ -215,6 +216,48 @@ def test_a_softmax_is_read_across_the_axis_it_normalizes(tmp_path):
     assert (rows["softmax#2"]["unit_axis"], rows["softmax#2"]["units"]) == (2, 7)
     m = metrics(tmp_path / "s.parquet").filter(pl.col("layer") == "softmax#2")
     assert m["saturation_value"].to_list() == [1.0] and m["saturation_unit"].to_list() == [1 / 7]
+
+
+def test_activations_called_in_a_loop_or_after_head_split_features_are_each_read(tmp_path):
+    class Loop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.DenseGeneral((2, 4), name="heads")(x)
+            h = nn.gelu(h, approximate=False)  # its first equation reads a literal before h
+            for _ in range(3):
+                h = nn.gelu(h)  # one call site, three calls
+            return nn.glu(h.reshape(h.shape[0], -1))  # not a kind: not read, and not "unread" either
+
+    model, x = Loop(), np.random.default_rng(5).normal(size=(6, 3)).astype("float32")
+    params = model.init(jax.random.key(0), x)["params"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of unread activations
+        with Monitor(model, x, tmp_path / "l.parquet") as mon:
+            mon.step(0, params=params)
+    rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "l.parquet").to_pylist()}
+    assert list(rows) == ["heads", "gelu", "gelu#2", "gelu#3", "gelu#4"]
+    assert all(r["units"] == 8 for r in rows.values())
+    h = np.asarray(nn.DenseGeneral((2, 4)).apply({"params": params["heads"]}, x))
+    h = jax.nn.gelu(h, approximate=False)
+    for name in ("gelu#2", "gelu#3", "gelu#4"):
+        h = jax.nn.gelu(h)
+        np.testing.assert_allclose(rows[name]["unit_sum"], np.asarray(h).reshape(6, 8).sum(0), rtol=1e-5)
+
+
+def test_a_bfloat16_probe_has_the_fingerprint_the_pytorch_adapter_gives_it(tmp_path):
+    import torch
+
+    from actrace.adapters.torch import Monitor as TorchMonitor
+
+    x = np.random.default_rng(6).normal(size=(4, 3)).astype("float32")
+    model = nn.Dense(2)
+    with Monitor(model, jnp.asarray(x, jnp.bfloat16), tmp_path / "f.parquet") as mon:
+        mon.step(0, params=model.init(jax.random.key(0), x))
+    with TorchMonitor(torch.nn.Linear(3, 2).to(torch.bfloat16), torch.from_numpy(x).to(torch.bfloat16),
+                      tmp_path / "t.parquet") as mon:
+        mon.probe_reading(0)
+    prints = {metadata.read(tmp_path / f"{n}.parquet")["probe_fingerprint"] for n in ("f", "t")}
+    assert len(prints) == 1
 
 
 def test_nnx_blocks_in_lists_are_named_by_their_whole_path(tmp_path):

@@ -90,8 +90,19 @@ class Softmaxes(nn.Module):
         return torch.softmax(self.conv(p), dim=1)
 
 
+class Clamps(nn.Module):
+    """ReLU6 and a clamp(-2, 2): Clips whose bounds the TorchScript exporter gives as Constant nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return torch.clamp(self.net(x * 4), -2.0, 2.0)
+
+
 MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16)),
-          "tanh-mlp": (TanhMLP, (64, 12)), "softmax": (Softmaxes, (8, 6, 8))}
+          "tanh-mlp": (TanhMLP, (64, 12)), "softmax": (Softmaxes, (8, 6, 8)), "clamps": (Clamps, (32, 8))}
 
 
 def record_both(tmp_path, build, shape, dynamo: bool):
@@ -186,6 +197,14 @@ def test_a_one_sided_clip_is_a_relu_at_zero_and_else_a_guard(tmp_path, lo, hi, r
     record_onnx([tmp_path / "m.onnx"], tmp_path / "p.npy", tmp_path / "t.parquet", progress=False)
     got = [(r["kind"], r["bound_hi"]) for r in actrace.read_table(tmp_path / "t.parquet").to_pylist()]
     assert got == ([] if read is None else [read]) + [("tanh", 1.0)]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_clips_are_read_whether_their_bounds_are_initializers_or_constant_nodes(tmp_path, dynamo):
+    paths = record_both(tmp_path, *MODELS["clamps"], dynamo)
+    kinds = [[(r["kind"], r["bound_lo"], r["bound_hi"]) for r in actrace.read_table(p).to_pylist()] for p in paths]
+    assert kinds[0] == kinds[1] == [("linear", None, None), ("relu6", 0.0, 6.0), ("linear", None, None),
+                                    ("clip", -2.0, 2.0)]
 
 
 def test_the_channel_axis_is_followed_through_an_upsample(tmp_path):
