@@ -52,7 +52,7 @@ class Monitor:
 
     `include`/`exclude` are glob patterns on reading names (`layers.*.mlp.act`); `types` keeps
     only modules of those classes; `unit_axes` maps name patterns to a unit axis, over what the
-    trace finds; `scaler` is the `torch.amp.GradScaler` whose scale the gradients carry.
+    trace finds (except a softmax's, which is the axis it normalizes); `scaler` is the `torch.amp.GradScaler` whose scale the gradients carry.
     """
 
     def __init__(self, model: nn.Module, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
@@ -119,6 +119,8 @@ class Monitor:
         return not any(fnmatch.fnmatch(name, p) for p in self.exclude)
 
     def _axis(self, out: Output) -> int | None:
+        if out.kind == "softmax" and out.axis is not None:
+            return out.axis  # the axis it normalizes, which its saturation counts across (spec §Units)
         for pattern, axis in self.unit_axes.items():
             if fnmatch.fnmatch(out.name, pattern):
                 return axis

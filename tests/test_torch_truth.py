@@ -290,9 +290,11 @@ def test_a_softmax_is_read_across_the_axis_it_normalizes_and_a_peaked_one_is_sat
     assert bool(said) == bool(peaked) and all("100% of its distributions peaked" in f.evidence for f in said)
 
 
-def test_a_softmax_over_channels_has_its_units_on_that_axis(tmp_path):
-    path = record(nn.Sequential(nn.Conv1d(3, 4, 1), nn.Softmax(dim=1)), torch.randn(2, 3, 7), tmp_path / "c.parquet")
+def test_a_softmax_over_channels_has_its_units_on_that_axis_whatever_unit_axes_say(tmp_path):
+    path = record(nn.Sequential(nn.Conv1d(3, 4, 1), nn.Softmax(dim=1)), torch.randn(2, 3, 7), tmp_path / "c.parquet",
+                  unit_axes={"*": 2})
     assert (rows(path)["1"]["unit_axis"], rows(path)["1"]["units"]) == (1, 4)
+    assert (rows(path)["0"]["unit_axis"], rows(path)["0"]["units"]) == (2, 7)  # the override holds elsewhere
 
 
 class OutputFirst(nn.Module):
