@@ -146,3 +146,66 @@ def test_a_lightning_run_that_raises_keeps_its_readings_and_says_so(tmp_path):
     path = tmp_path / "lit.parquet"
     assert metadata.read(path)["status"] == "failed: RuntimeError"
     assert sorted({r["step"] for r in actrace.read_table(path).to_pylist()}) == [0, 1, 2]
+
+
+DDP = """
+import sys, torch, lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from actrace.adapters.lightning import TraceCallback
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        with torch.no_grad():
+            self.net[0].bias[:5] = -50.0
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, i):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights stay: the readings compare
+
+if __name__ == "__main__":
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+    torch.save(x[:32], sys.argv[2] + ".probe.pt")
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[TraceCallback(probe=x[:32], out=sys.argv[2], probe_every=1, run="lit-ddp")])
+    trainer.fit(Module(), DataLoader(TensorDataset(x, y), batch_size=8))
+"""
+
+
+def test_lightning_under_ddp_writes_once_what_one_process_reads(tmp_path):
+    """Two CPU ranks (gloo): each reads half of the probe, rank 0 writes the merged readings."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    (tmp_path / "ddp.py").write_text(DDP)
+    out = tmp_path / "ddp.parquet"
+    res = subprocess.run([sys.executable, "ddp.py", "2", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert validate(out) == [] and not list(tmp_path.glob("*.parquet.parts"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from ddp import Module
+    finally:
+        sys.path.remove(str(tmp_path))
+    with Monitor(Module(), torch.load(str(out) + ".probe.pt"), tmp_path / "one.parquet") as mon:
+        mon.probe_reading(0)
+    one = {r["layer"]: r for r in actrace.read_table(tmp_path / "one.parquet").to_pylist()}
+    two = {r["layer"]: r for r in actrace.read_table(out).to_pylist() if r["stream"] == "activation" and r["step"] == 0}
+    assert one.keys() == two.keys() == {"net.0", "net.1", "net.2"}
+    for layer, r in one.items():
+        assert (two[layer]["count"], two[layer]["unit_zero"]) == (r["count"], r["unit_zero"]), layer
+        np.testing.assert_allclose(two[layer]["unit_sum"], r["unit_sum"], rtol=1e-5, atol=1e-6, err_msg=layer)
+    assert metrics(out).filter(pl.col("layer") == "net.1")["dead_fraction"].unique().to_list() == [5 / 16]
