@@ -221,9 +221,8 @@ class ProbeTrace:
         closed = jax.make_jaxpr(traced)(*args)
         jaxpr = closed.jaxpr
         made = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-        found_reads = [(made.get(var, -1), name, kind, None, var, axes)
-                       for (name, kind, _, axes), var in zip(kept, jaxpr.outvars)]
-        found_reads = [(*r, -1) for r in found_reads]
+        found_reads = [(made.get(var, -1), name, kind, None, var, axes, -1)  # (index, name, kind, input, output,
+                       for (name, kind, _, axes), var in zip(kept, jaxpr.outvars)]  # feature axes, unit axis)
         for i, fname, invar, var, axis in activations(jaxpr):
             scope = _scope(jaxpr.eqns[i])
             found_reads.append((i, f"{scope}.{fname}" if scope else fname, activation_kind(fname), invar, var, 1, axis))
