@@ -203,8 +203,7 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
     """`reduce_array(x, unit_axis, kind, **options)` of each (x, unit_axis, kind, options), the
     float32 ones in one kernel batch shared among all threads. An option `relu="NAME"` also
     gives the reading of relu(x) as layer NAME, right after x's: from x's own pass where it can
-    (float32 without NaN or Inf), else from a pass over relu(x). An option `dtype` names the
-    framework's dtype of a tensor widened for the kernels (`bfloat16`)."""
+    (float32 without NaN or Inf), else from a pass over relu(x)."""
     jobs, out = [], []
     for x, unit_axis, kind, opt in tensors:
         layer, stream = opt.get("layer", "?"), opt.get("stream", "activation")
@@ -213,8 +212,7 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
         bounds = bounds_for(kind, opt.get("bounds"))
         x3 = view3(x, unit_axis, layer)
         meta = dict(shape=np.shape(x), unit_axis=unit_axis, per_unit=opt.get("per_unit", True), layer=layer,
-                    kind=kind, stream=stream, dtype=opt.get("dtype", str(np.asarray(x).dtype)), bounds=bounds,
-                    param=opt.get("param"))
+                    kind=kind, stream=stream, dtype=str(np.asarray(x).dtype), bounds=bounds, param=opt.get("param"))
         jobs.append((x3, bounds, opt.get("histogram", True), meta, opt.get("relu")))
     fused = [i for i, job in enumerate(jobs) if kernel.available and job[0].dtype == np.float32]
     stats = dict(zip(fused, kernel.reduce_many([(np.ascontiguousarray(jobs[i][0]), centre(jobs[i][1]), jobs[i][2],
@@ -235,6 +233,14 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
             else:  # NaN stays NaN through a ReLU, as in the frameworks
                 out.append(Reading.from_stats(reference(np.maximum(x3, 0), 1, histogram=histogram), **relu_meta))
     return out
+
+
+def param_grad_job(g, layer: str, param: str, kind: str) -> tuple:
+    """The `reduce_arrays` task of one parameter's gradient, read layer-level (norm, extremes, zeros,
+    NaN/Inf; units on axis 0) as every adapter reads gradients at each step."""
+    g = np.asarray(g)
+    return g, 0 if g.ndim else None, kind, dict(layer=layer, stream="param_grad", param=param, per_unit=False,
+                                                histogram=False)
 
 
 def view3(x, unit_axis: int | None, layer: str = "?") -> np.ndarray:

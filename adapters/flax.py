@@ -25,7 +25,7 @@ import numpy as np
 
 import actrace
 from actrace.fingerprint import fingerprint
-from actrace.reduce import reduce_arrays
+from actrace.reduce import param_grad_job, reduce_arrays
 from actrace.writer import script_options
 
 from ._flax_trace import ProbeTrace, linen_calls, nnx_calls
@@ -44,15 +44,6 @@ def _key(k) -> str:
         if hasattr(k, attr):
             return str(getattr(k, attr))
     return str(k)
-
-
-def _host(value) -> tuple[np.ndarray, dict]:
-    """A JAX array on the host, bfloat16 and float16 widened to float32 for the core's kernels, and
-    the options that keep its own dtype's name in the reading."""
-    x = np.asarray(value)
-    if x.dtype.kind in "fV" and x.dtype.itemsize < 4:
-        return x.astype(np.float32), dict(dtype=str(x.dtype))
-    return x, {}
 
 
 def leaf_names(path) -> tuple[str, str]:
@@ -121,11 +112,10 @@ class Monitor:
         values = self.trace(state, *self.probe)
         jobs = []
         for read, value in zip(self.trace.reads, values):
-            x, dtype = _host(value)
+            x = np.asarray(value)  # bfloat16 stays so: the core widens it and keeps its dtype's name
             x = x.reshape(*x.shape[:-read.feature_axes], -1) if read.feature_axes > 1 else x
             axis = None if read.unit_axis is None or x.ndim < 2 else read.unit_axis % x.ndim
-            jobs.append((x, axis, read.kind,
-                         dict(layer=read.name, histogram=self.histogram, **dtype)))
+            jobs.append((x, axis, read.kind, dict(layer=read.name, histogram=self.histogram)))
         self._last_probe = step
         return self._write(step, reduce_arrays(jobs))
 
@@ -153,11 +143,9 @@ class Monitor:
         kinds = self.trace.kinds if self.trace is not None else {}
         jobs = []
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-            g, dtype = _host(g)
             layer, param = leaf_names(path)
-            if g.dtype.kind == "f" and self._wanted(layer):
-                jobs.append((g, 0 if g.ndim else None, kinds.get(layer, "other"), dict(
-                    layer=layer, stream="param_grad", param=param, per_unit=False, histogram=False, **dtype)))
+            if jax.numpy.issubdtype(g.dtype, jax.numpy.floating) and self._wanted(layer):
+                jobs.append(param_grad_job(g, layer, param, kinds.get(layer, "other")))
         return self._write(step, reduce_arrays(jobs), mode="train")
 
     def _write(self, step: int, readings, **kw) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 
 import actrace
 from actrace.fingerprint import fingerprint
-from actrace.reduce import reduce_arrays
+from actrace.reduce import param_grad_job, reduce_arrays
 from actrace.schema import activation_kind
 from actrace.writer import script_options
 
@@ -122,8 +122,7 @@ class TraceCallback(keras.callbacks.Callback):
                               "so this run has probe readings only (the torch backend has both)", stacklevel=2)
                 self._warned = True
             return
-        jobs = [(g.detach().cpu().numpy(), 0 if g.ndim else None, layer_kind(layer) or "other",
-                 dict(layer=layer.name, stream="param_grad", param=v.name, per_unit=False, histogram=False))
+        jobs = [param_grad_job(g.detach().cpu().numpy(), layer.name, v.name, layer_kind(layer) or "other")
                 for layer, v, g in found]
         readings = reduce_arrays(jobs)
         self.writer.record_many(step, readings, layer_indexes=[self.depth[r.layer] for r in readings])

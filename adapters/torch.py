@@ -52,7 +52,8 @@ class Monitor:
 
     `include`/`exclude` are glob patterns on reading names (`layers.*.mlp.act`); `types` keeps
     only modules of those classes; `unit_axes` maps name patterns to a unit axis, over what the
-    trace finds (except a softmax's, which is the axis it normalizes); `scaler` is the `torch.amp.GradScaler` whose scale the gradients carry.
+    trace finds (except a softmax's, which is the axis it normalizes); `scaler` is the
+    `torch.amp.GradScaler` whose scale the gradients carry.
     """
 
     def __init__(self, model: nn.Module, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
