@@ -79,3 +79,22 @@ def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(first + " "))
     assert expected[first][0] in line and f"{100 * 8 / expected[first][1]:.0f}%" in line
+
+
+def test_a_bert_attention_softmax_is_read_across_its_keys_and_a_mask_to_one_key_reads_peaked(tmp_path):
+    """Eager BERT attention with the mask keeping only key 0: every query's distribution puts all its
+    probability there, so every distribution is peaked and key 0 (1 of 6 units) is pinned at 1."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, attn_implementation="eager")
+    model = transformers.BertModel(cfg).eval()
+    ids = torch.randint(1, 100, (4, 6))
+    mask = torch.zeros(4, 6, dtype=torch.long)
+    mask[:, 0] = 1
+    with Monitor(model, {"input_ids": ids, "attention_mask": mask}, tmp_path / "b.parquet") as mon:
+        mon.probe_reading(0)
+    rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "b.parquet").to_pylist() if r["kind"] == "softmax"}
+    (name, r), = rows.items()
+    assert (r["unit_axis"], r["units"], r["shape"]) == (3, 6, [4, 2, 6, 6]), name  # [batch, heads, queries, keys]
+    m = metrics(tmp_path / "b.parquet").filter(pl.col("layer") == name)
+    assert m["saturation_value"].to_list() == [1.0] and m["saturation_unit"].to_list() == [1 / 6]
