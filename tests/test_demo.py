@@ -15,7 +15,7 @@ def demo(tmp_path_factory):
     from conftest import run_cli
 
     out = tmp_path_factory.mktemp("demo")
-    res = run_cli("demo", "-o", out, timeout=300)
+    res = run_cli("demo", "-o", out)
     assert res.returncode == 0, res.stderr
     m = metrics(out / "runs")
     return out, res, m, findings(m)

@@ -13,6 +13,7 @@ import actrace
 from actrace.analyzer.compare import align
 from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
+from conftest import HUNG
 
 KERAS = """
 import numpy as np, keras
@@ -48,7 +49,7 @@ def test_the_same_mlp_in_pytorch_keras_and_flax_reads_the_same_and_aligns(tmp_pa
         mon.probe_reading(0)
     res = subprocess.run([sys.executable, "-c", f"OUT = {str(tmp_path / 'keras.parquet')!r}\n"
                           f"WEIGHTS = {str(tmp_path / 'w.npz')!r}\n" + KERAS], capture_output=True, text=True,
-                         env=dict(os.environ, KERAS_BACKEND="torch"), timeout=300)
+                         env=dict(os.environ, KERAS_BACKEND="torch"), timeout=HUNG)
     assert res.returncode == 0, res.stderr[-3000:]
 
     class MLP(fnn.Module):

@@ -13,6 +13,7 @@ import actrace
 from actrace import metadata
 from actrace.analyzer.metrics import metrics
 from actrace.validate import validate
+from conftest import HUNG
 
 SCRIPT = """
 import numpy as np, keras, warnings
@@ -36,7 +37,7 @@ print("WARNED:" + "|".join(str(w.message) for w in said if "actrace" in str(w.me
 def test_a_keras_cnn_is_read_with_its_fused_activation_and_nhwc_units(tmp_path, backend):
     out = tmp_path / f"{backend}.parquet"
     res = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + SCRIPT], capture_output=True, text=True,
-                         env=dict(os.environ, KERAS_BACKEND=backend), timeout=300)
+                         env=dict(os.environ, KERAS_BACKEND=backend), timeout=HUNG)
     assert res.returncode == 0, res.stderr[-3000:]
     assert validate(out) == [] and metadata.read(out)["framework"] == "keras"
     acts = {r["layer"]: r for r in actrace.read_table(out).to_pylist() if r["stream"] == "activation"}

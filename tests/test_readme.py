@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import HUNG, ROOT
 
 BLOCKS = re.findall(r"```(bash|python)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
@@ -28,7 +28,7 @@ def test_every_readme_code_block_runs(tmp_path):
             continue
         cwd = ROOT if code.strip() == "bash scripts/demo" else tmp_path
         cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-        res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=HUNG)
         assert res.returncode == 0, f"README block failed:\n{code}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr}"
         ran += 1
     assert ran == len(BLOCKS) - 1

@@ -20,6 +20,7 @@ from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
+from conftest import HUNG
 
 
 def _gates(cell, x, h, w_ih, w_hh, b_ih, b_hh):
@@ -337,7 +338,7 @@ def test_the_report_groups_a_recurrent_layers_readings_and_opens_on_the_pinned_g
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto((tmp_path / "r.html").as_uri())
-        page.wait_for_selector("#recurrent svg .mark-rect", state="attached", timeout=20_000)
+        page.wait_for_selector("#recurrent svg .mark-rect", state="attached", timeout=HUNG * 1000)
         chosen = page.eval_on_selector("#recurrent select", "s => s.value")
         rows = page.inner_text("#recurrent")
         browser.close()

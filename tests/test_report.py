@@ -10,6 +10,7 @@ import numpy as np
 
 import actrace
 from traces import relu_layer, write_run
+from conftest import HUNG
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<img src=x onerror=alert(1)></script><b>"
@@ -50,7 +51,7 @@ def test_report_renders_offline_with_every_chart_and_no_script_error(report):
         page.goto(report.as_uri())
         for chart in ("heatmaps", "trends", "profile", "histogram"):
             page.wait_for_selector(f"#{chart} svg .mark-rect, #{chart} svg .mark-line, #{chart} svg .mark-symbol",
-                                   state="attached", timeout=20_000)
+                                   state="attached", timeout=HUNG * 1000)
         findings_text = page.inner_text("table")
         page_text = page.inner_text("body")
         images = page.eval_on_selector_all("img", "els => els.length")
@@ -70,7 +71,7 @@ def test_the_first_screen_opens_on_the_baseline_and_an_empty_panel_says_why(repo
         browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         page = browser.new_page()
         page.goto(report.as_uri())
-        page.wait_for_selector("#heatmaps svg .mark-rect", state="attached", timeout=20_000)
+        page.wait_for_selector("#heatmaps svg .mark-rect", state="attached", timeout=HUNG * 1000)
         menu = page.locator("#heatmaps select")
         options = menu.locator("option").all_inner_texts()
         menu.select_option("relu-only")

@@ -45,6 +45,19 @@ def test_the_bin_edges_in_the_spec_are_the_codes_bin_edges():
     assert f"the {len(lines)} *magnitude edges*" in SPEC_TEXT
 
 
+def test_the_bin_edge_table_holds_the_definition_to_the_last_bits():
+    """The table is written out, never recomputed (`10.0 ** x` differs by an ULP between numpy
+    versions); each entry is its definition, 10^(k/4) or a saturation edge, within 2 ULP."""
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 40
+    exact = sorted({Decimal(10) ** (Decimal(k) / 4) for k in range(-32, 33)} | {Decimal("0.9"), Decimal("0.99"),
+                                                                               Decimal("0.999")})
+    assert len(exact) == len(bins.MAGNITUDE_EDGES)
+    for table, true in zip(bins.MAGNITUDE_EDGES.tolist(), exact):
+        assert abs(Decimal(table) - true) <= 2 * Decimal(np.spacing(table)), (table, true)
+
+
 def test_every_kind_is_listed_in_the_spec():
     kinds_section = SPEC_TEXT.split("## Layer kinds")[1].split("## Streams")[0]
     assert sorted(k for k in KINDS if f"`{k}`" not in kinds_section) == []

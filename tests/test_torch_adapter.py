@@ -17,6 +17,7 @@ from actrace.adapters import _torch_reduce
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
 from actrace.reduce import reduce_array
+from conftest import HUNG
 
 
 def act(path, layer, column="dead_fraction"):
@@ -291,7 +292,7 @@ def test_two_gloo_ranks_record_what_one_process_records(tmp_path):
     subprocess.run([sys.executable, script, "0", "1", tmp_path / "single.parquet", port], check=True)
     procs = [subprocess.Popen([sys.executable, script, str(r), "2", tmp_path / "ddp.parquet", port])
              for r in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert [p.wait(timeout=HUNG) for p in procs] == [0, 0]
     single = actrace.read_table(tmp_path / "single.parquet").to_pylist()
     ddp = actrace.read_table(tmp_path / "ddp.parquet").to_pylist()
     assert len(single) == len(ddp) == 4

@@ -13,6 +13,7 @@ from actrace import metadata
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
 from actrace.validate import validate
+from conftest import HUNG
 
 
 def _acts(path) -> dict[str, dict]:
@@ -192,7 +193,7 @@ def test_lightning_under_ddp_writes_once_what_one_process_reads(tmp_path):
     (tmp_path / "ddp.py").write_text(DDP)
     out = tmp_path / "ddp.parquet"
     res = subprocess.run([sys.executable, "ddp.py", "2", str(out)], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=HUNG)
     assert res.returncode == 0, res.stderr[-3000:]
     assert validate(out) == [] and not list(tmp_path.glob("*.parquet.parts"))
     sys.path.insert(0, str(tmp_path))
