@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from . import metadata
 from .metadata import TraceError
-from .schema import ADDED_IN_1_1, SCHEMA
+from .schema import SCHEMA, columns_absent_in
 
 
 def expand(pattern) -> list[str]:
@@ -80,7 +80,7 @@ def read_source(source: Path, columns: list[str] | None = None, *, when=None) ->
         except (pa.ArrowException, OSError) as exc:
             raise TraceError(f"{f}: cannot read: {exc}") from None
         for name in want:  # not asked for here, or a column an older minor version lacks: null
-            if name not in table.column_names and (name in lazy or name in ADDED_IN_1_1):
+            if name not in table.column_names and (name in lazy or name in columns_absent_in(meta["spec_version"])):
                 table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
         tables.append(table.select([c for c in want if c in table.column_names]))
     return pa.concat_tables(tables, promote_options="permissive"), meta

@@ -52,6 +52,21 @@ class Reading:
     unit_min_dev: np.ndarray | None = None
     hist: np.ndarray | None = None
     sat_counts: np.ndarray | None = None
+    value: float | None = None
+
+    @classmethod
+    def scalar(cls, name: str, value) -> "Reading":
+        """A training-loop value (the loss, the learning rate) as a `scalar` row (spec §Streams): the
+        value as given, NaN and ±inf included, and the counts of a one-value tensor."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ReductionError(f"scalar {name!r}: {value!r} is not a number") from None
+        finite = math.isfinite(v)
+        return cls(layer=name, kind="other", stream="scalar", dtype="float64", shape=(), unit_axis=None, units=1,
+                   count=1, nan_count=int(math.isnan(v)), inf_count=int(math.isinf(v)), zero_count=int(v == 0),
+                   sum=v if finite else 0.0, sumsq=v * v if finite else 0.0, min=v if finite else math.nan,
+                   max=v if finite else math.nan, value=v)
 
     @classmethod
     def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SPEC_VERSION = "1.1"
+SPEC_VERSION = "1.2"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
 
-STREAMS = ("activation", "activation_grad", "param_grad", "param")
+STREAMS = ("activation", "activation_grad", "param_grad", "param", "scalar")  # scalar: 1.2
+# a scalar row is no layer of the model: its layer_index (spec §Streams)
+SCALAR_INDEX = -1
 
 # Layer kinds and, for bounded kinds, the asymptotes that define saturation (spec §Kinds).
 KIND_BOUNDS: dict[str, tuple[float, float] | None] = {
@@ -101,13 +103,25 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("unit_min_dev", _f32_list, True, "min"),
     ("hist", _i64_list, True, "sum"),
     ("sat_counts", _i64_list, True, "sum"),  # 1.1
+    ("value", pa.float64(), True, "none"),  # 1.2
 ]
 UNIT_COLUMNS = tuple(name for name, *_ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null, _ in COLUMNS])
 READING_KEY = ("run", "layer", "stream", "param", "step")  # at most one row each (spec §Validity)
-ADDED_IN_1_1 = frozenset({"sat_counts"})  # absent from 1.0 files: read as null
-REQUIRED = frozenset(name for name, *_ in COLUMNS) - ADDED_IN_1_1
+# the columns each minor version added: absent from the files of older minor versions, read as null
+ADDED_IN = {"sat_counts": 1, "value": 2}
 MERGE = {name: rule for name, _, _, rule in COLUMNS}
+
+def minor_version(version: str) -> int:
+    """The minor number of a `MAJOR.MINOR` spec version (0 where it has none)."""
+    parts = version.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def columns_absent_in(version: str) -> frozenset[str]:
+    """The columns a file of spec `version` may lack: those a later minor version added."""
+    return frozenset(name for name, minor in ADDED_IN.items() if minor_version(version) < minor)
+
 
 def activation_kind(name: str) -> str | None:
     """The kind of an activation named `name` by any framework (`leaky_relu`, `LeakyReLU`'s core

@@ -8,7 +8,7 @@ from .reduce import Reading
 from .schema import SCHEMA, UNIT_COLUMNS
 
 _SCALARS = ("layer", "kind", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
-            "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm")
+            "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value")
 
 
 def _list_array(arrays: list[np.ndarray | None], typ: pa.ListType) -> pa.Array:

@@ -11,7 +11,8 @@ import pyarrow.compute as pc
 from .bins import N_BINS
 from . import metadata
 from .reader import TraceError, part_files, trace_sources
-from .schema import ADDED_IN_1_1, READING_KEY, KIND_BOUNDS, KINDS, SAT_LEVELS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS
+from .schema import READING_KEY, SCALAR_INDEX, KIND_BOUNDS, KINDS, SAT_LEVELS, SCHEMA, SPEC_VERSION, STREAMS, UNIT_COLUMNS, \
+    columns_absent_in, minor_version
 
 MAX_ROWS_PER_CHECK = 5
 
@@ -58,8 +59,8 @@ def validate_file(path: Path) -> list[Problem]:
         return [Problem(str(path), f"not a readable Parquet file (truncated or corrupt?): {exc}")]
     problems: list[Problem] = []
     for field in SCHEMA:
-        if field.name not in table.column_names and field.name in ADDED_IN_1_1 and _minor(version) < 1:
-            table = table.append_column(field, pa.nulls(len(table), field.type))  # a 1.0 file: null
+        if field.name not in table.column_names and field.name in columns_absent_in(version):
+            table = table.append_column(field, pa.nulls(len(table), field.type))  # added by a later minor version: null
         elif field.name not in table.column_names:
             problems.append(Problem(str(path), "required column is missing", None, field.name))
         elif not table.schema.field(field.name).type.equals(field.type):
@@ -73,23 +74,25 @@ def validate_file(path: Path) -> list[Problem]:
             _check_rows(problems, path, table[field.name].is_null(), field.name, "must not be null")
     if problems:
         return problems
-    _check_values(problems, path, table, newer_minor=_minor(version) > _minor(SPEC_VERSION))
+    _check_values(problems, path, table, newer_minor=minor_version(version) > minor_version(SPEC_VERSION))
     return problems
-
-
-def _minor(version: str) -> int:
-    parts = version.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
 def _check_values(problems: list[Problem], path: Path, t: pa.Table, newer_minor: bool) -> None:
     kind, stream = t["kind"].to_pylist(), t["stream"].to_pylist()
-    if not newer_minor:  # a newer minor version may add kinds; they read as 'other'
+    if not newer_minor:  # a newer minor version may add kinds (read as 'other') and streams (ignored)
         _check_rows(problems, path, [k not in KINDS for k in kind], "kind",
                     f"unknown layer kind; expected one of {', '.join(KINDS)}")
-    _check_rows(problems, path, [s not in STREAMS for s in stream], "stream",
-                f"unknown stream; expected one of {', '.join(STREAMS)}")
+        _check_rows(problems, path, [s not in STREAMS for s in stream], "stream",
+                    f"unknown stream; expected one of {', '.join(STREAMS)}")
     _check_rows(problems, path, pc.equal(t["layer"], ""), "layer", "layer name is empty")
+    scalar = np.array([s == "scalar" for s in stream], dtype=bool)
+    index, has_value = _np(t, "layer_index"), t["value"].is_valid().to_numpy(zero_copy_only=False)
+    _check_rows(problems, path, scalar & (index != SCALAR_INDEX), "layer_index", f"a scalar row's must be {SCALAR_INDEX}")
+    _check_rows(problems, path, ~scalar & (index < 0), "layer_index", "must be at least 0")
+    _check_rows(problems, path, scalar != has_value, "value", "must be set in scalar rows and only there")
+    _check_rows(problems, path, scalar & ((_np(t, "count") != 1) | (_np(t, "units") != 1)), "count",
+                "a scalar row holds one value: count and units must be 1")
     units = _np(t, "units")
     _check_rows(problems, path, units < 1, "units", "must be at least 1")
     lo, hi = _np(t, "bound_lo", np.nan), _np(t, "bound_hi", np.nan)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import metadata
-from .reduce import Reading, reduce_array
+from .reduce import Reading, ReductionError, reduce_array
+from .schema import SCALAR_INDEX
 from .table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
@@ -120,6 +122,8 @@ class Writer:
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
         self._last_step: dict[tuple[str, str, str | None], int] = {}
         self._n_parts = 0
+        self._unloggable: set[str] = set()
+        self.dropped, self._said_dropped = 0, set()  # readings at a step that did not grow
         _open_writers.add(self)
         self._last_flush = time.monotonic()
         self.readings_written = 0
@@ -158,14 +162,10 @@ class Writer:
         `layer_indexes`: each one's depth, else the order layers were first recorded."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        for reading in readings:
-            last = self.last_step(reading)
-            if last is not None and int(step) <= last:
-                what = f"layer {reading.layer!r}, stream {reading.stream!r}" + (
-                    f", param {reading.param!r}" if reading.param else "")
-                raise ValueError(f"{self.path}: step {step} for {what} is not after step {last}, already recorded; "
-                                 "a trace holds one reading per step (spec §Validity): pass a step that keeps "
-                                 "growing (e.g. epoch * steps_per_epoch + i), not one that restarts each epoch")
+        kept = [i for i, r in enumerate(readings) if self._grows(step, r)]
+        if len(kept) < len(readings):
+            readings = [readings[i] for i in kept]
+            layer_indexes = None if layer_indexes is None else [layer_indexes[i] for i in kept]
         if layer_indexes is None:
             layer_indexes = [self._layer_index.setdefault(r.layer, len(self._layer_index)) for r in readings]
         base = dict(run=self.run, step=int(step), mode=mode or self.mode, wall_time=time.time())
@@ -176,6 +176,25 @@ class Writer:
                                              reading.stream in ("activation", "activation_grad") else None)))
         if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def _grows(self, step: int, reading: Reading) -> bool:
+        """Whether `step` is after the last one recorded for this reading's layer, stream and param (a
+        trace holds one reading per step, spec §Validity); a step that is not is dropped and said
+        once, never raised into the training loop."""
+        last = self.last_step(reading)
+        if last is None or int(step) > last:
+            return True
+        self.dropped += 1
+        repeat = int(step) == last
+        if repeat not in self._said_dropped:  # a repeated step and a restarting count, each said once
+            self._said_dropped.add(repeat)
+            what = f"{reading.stream} of layer {reading.layer!r}" + (f", param {reading.param!r}" if reading.param
+                                                                       else "")
+            why = ("was recorded already; the second reading is dropped" if repeat else
+                   f"is not after step {last}, already recorded: steps must keep growing (epoch * steps_per_epoch + "
+                   "i, not a count restarting each epoch); readings at such steps are dropped")
+            warnings.warn(f"actrace: {self.path}: step {step} for {what} {why} (said once)", stacklevel=4)
+        return False
 
     def last_step(self, reading: Reading) -> int | None:
         """The step of the last reading recorded for this reading's layer, stream and param."""
@@ -220,6 +239,21 @@ class Writer:
         self._previous_params[(layer, param)] = w.astype(np.float64, copy=True)
         self.record(step, reading, **context)
         return reading
+
+    def log(self, step: int, **values) -> None:
+        """Training-loop values at `step` (`loss=…`, `lr=…`, any name), one `scalar` row each (spec
+        §Streams), so findings can be read against the loss; None values are left out."""
+        readings = []
+        for name, v in values.items():
+            if v is None:
+                continue
+            try:
+                readings.append(Reading.scalar(name, v))
+            except ReductionError as exc:  # a monitor never takes training down: said once, skipped
+                if name not in self._unloggable:
+                    self._unloggable.add(name)
+                    warnings.warn(f"actrace: {self.path}: not logged: {exc}", stacklevel=2)
+        self.record_many(step, readings, layer_indexes=[SCALAR_INDEX] * len(readings))
 
     def flush(self) -> None:
         """Write the buffered readings as one complete part file."""

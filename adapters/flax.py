@@ -158,11 +158,16 @@ class Monitor:
         `params` (a linen model's params or variables; an nnx model reads its own state) when due."""
         if params is not None:
             self.params = params
-        if step % self.probe_every == 0:
+        if step % self.probe_every == 0 or self._last_probe is None:  # the first step too: where trends start
             self.probe_reading(step)
         if grads is not None and step % self.grad_every == 0:
             self.gradient_reading(step, grads)
         self._last_step = step
+
+    def log(self, step: int, loss=None, lr=None, **scalars) -> None:
+        """Record the training loop's values at `step` (`loss`, `lr`, any other name; JAX arrays as
+        their value), so findings are read against the loss (spec §Streams, `scalar`)."""
+        self.writer.log(step, loss=loss, lr=lr, **scalars)
 
     def close(self, failed: BaseException | None = None):
         """A last probe reading at the last step if `probe_every` skipped it (trend rules need the end

@@ -8,8 +8,10 @@ examples, or a `datasets` slice as a dict of columns) that the Trainer's collato
 start of training a `Monitor` opens on the Trainer's model, named by `TrainingArguments.run_name`
 with the arguments as config. Before each optimizer step (after gradient accumulation and the
 Trainer's clipping to `max_grad_norm`) it takes the gradient reading and, every `probe_every`
-steps, a probe reading in evaluation behaviour (the Trainer's train mode restored after). It
-closes when training ends; a run that raised is closed at exit with its status saying so.
+steps, a probe reading in evaluation behaviour (the Trainer's train mode restored after). Steps
+are the Trainer's `global_step` (1 for the first update), and what the Trainer logs (loss,
+learning rate, gradient norm) is recorded as scalars at the step it logs them. It closes when
+training ends; a run that raised is closed at exit with its status saying so.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from .torch import Monitor, TrainerCallbackBase
 
 __all__ = ["TraceCallback"]
 
+LOG_NAMES = {"learning_rate": "lr"}  # the Trainer's log names → the spec's scalar names
+NOT_LOGGED = {"epoch"}  # a position, not a signal; the Trainer repeats it in its closing log
+
 
 class TraceCallback(TrainerCallbackBase, TrainerCallback):
     """Record probe and gradient readings of a `Trainer` run to `out` (default:
@@ -33,7 +38,14 @@ class TraceCallback(TrainerCallbackBase, TrainerCallback):
                                run=self.run or args.run_name, config=_config(args), **self.options)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.monitor.step(state.global_step)
+        self.monitor.step(state.global_step + 1)  # the step being taken, as the Trainer numbers it (1 … N)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """What the Trainer logs (loss, learning rate, its gradient norm, eval metrics) as scalars."""
+        if self.monitor is not None and logs:
+            self.monitor.log(state.global_step, **{LOG_NAMES.get(k, k): v for k, v in logs.items()
+                                                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   and k not in NOT_LOGGED})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:

@@ -10,7 +10,8 @@ is `linear` or `conv`. Units follow the layer's data format: channels last (NHWC
 the last axis, channels first on axis 1. Reductions are the core's. Gradients: on the torch
 backend each trainable variable's `.grad` after the step (layer-level readings, as the PyTorch
 adapter takes them); the JAX and TensorFlow backends do not keep gradients, which is said once.
-Steps count training batches from 0.
+What `fit` logs after each batch (`loss`, metrics: Keras's running means over the epoch) and the
+optimizer's learning rate are recorded as scalars. Steps count training batches from 0.
 """
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ class TraceCallback(keras.callbacks.Callback):
             self.gradient_reading(self.step)
         if self.step % self.probe_every == 0:
             self.probe_reading(self.step)
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        self.writer.log(self.step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),
+                        **{k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
 
     def on_train_end(self, logs=None):
         if self.writer is None:

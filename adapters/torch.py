@@ -91,7 +91,6 @@ class Monitor:
         self._previous: dict[tuple[str, str], torch.Tensor] = {}
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
-        self._warned_again = False
         self._last_step = self._last_probe = None
         self._fresh_grads, self._warned_stale = False, False
         self._handles, self._grad_tracing = [], False
@@ -321,22 +320,15 @@ class Monitor:
     def _write(self, step: int, readings, **kw) -> int:
         if self.writer is None:
             return 0
-        again = [r for r in readings if self.writer.last_step(r) == step]
-        if again:  # a second reading of one step (a final probe_reading after step(), say): the first stands
-            if not self._warned_again:
-                warnings.warn(f"actrace: step {step} was read already ({again[0].stream} of {again[0].layer} …); "
-                              "a trace holds one reading per step, so the second reading is not recorded",
-                              stacklevel=3)
-                self._warned_again = True
-            readings = [r for r in readings if self.writer.last_step(r) != step]
         indexes = [self.layer_index.setdefault(r.layer, len(self.layer_index)) for r in readings]
         self.writer.record_many(step, readings, layer_indexes=indexes, **kw)
         return len(readings)
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before
-        `scaler.update()` under a loss scaler): gradient, parameter and probe readings when due."""
-        if step % self.probe_every == 0:
+        `scaler.update()` under a loss scaler): gradient, parameter and probe readings when due (a
+        probe reading at the first step whatever `probe_every` says, and at the last on close)."""
+        if step % self.probe_every == 0 or self._last_probe is None:  # the first step too: where trends start
             self.probe_reading(step)
         if step % self.grad_every == 0:
             self.gradient_reading(step)
@@ -344,6 +336,13 @@ class Monitor:
             self.parameter_reading(step)
         self._steps_seen += 1
         self._last_step = step
+
+    def log(self, step: int, loss=None, lr=None, **scalars) -> None:
+        """Record the training loop's values at `step` (`loss`, `lr`, any other name; tensors are
+        read with `.item()`), so findings are read against the loss (spec §Streams, `scalar`)."""
+        if self.writer is not None:
+            values = dict(scalars, loss=loss, lr=lr)
+            self.writer.log(step, **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
     def close(self, failed: BaseException | None = None):
         """A last probe reading at the last step if `probe_every` skipped it (trend rules need the

@@ -18,6 +18,7 @@ import actrace
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import Rules, findings
 from actrace.analyzer.metrics import Thresholds, metrics
+from actrace.validate import validate
 
 
 def probe_reading(model, probe, path):
@@ -198,12 +199,19 @@ def test_findings_come_as_json_and_csv_records_with_the_texts_content(tmp_path, 
     assert pinned["evidence"] in text
 
 
-def test_a_step_that_restarts_is_refused_by_the_writer_naming_layer_and_steps(tmp_path):
+def test_a_step_that_restarts_is_dropped_by_the_writer_naming_layer_and_steps_without_raising(tmp_path):
     with actrace.Writer(tmp_path / "r.parquet", run="r") as w:
         w.record_activation(5, "fc", np.ones((2, 3), np.float32), kind="relu")
         w.record_param_grad(5, "fc", "weight", np.ones((3, 3), np.float32))  # another stream: fine
-        with pytest.raises(ValueError, match=r"step 0 for layer 'fc', stream 'activation' is not after step 5"):
+        with pytest.warns(UserWarning, match=r"step 0 for activation of layer 'fc' is not after step 5"):
             w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once: the next restart is dropped in silence
+            w.record_activation(1, "fc", np.ones((2, 3), np.float32), kind="relu")
+        w.record_activation(6, "fc", np.zeros((2, 3), np.float32), kind="relu")
+    assert [(r["step"], r["stream"]) for r in actrace.read_table(tmp_path / "r.parquet").to_pylist()] == [
+        (5, "activation"), (5, "param_grad"), (6, "activation")]
+    assert validate(tmp_path / "r.parquet") == []
 
 
 def test_duplicate_readings_made_elsewhere_are_reported_and_shown_once(tmp_path, cli):
@@ -227,10 +235,10 @@ def test_the_monitor_records_one_reading_per_step_and_names_a_restart(tmp_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     with Monitor(model, torch.randn(8, 4), tmp_path / "m.parquet") as mon:
         mon.probe_reading(10)
-        with pytest.warns(UserWarning, match="step 10 was read already"):
+        with pytest.warns(UserWarning, match="step 10 for activation of layer '0' was recorded already"):
             mon.probe_reading(10)  # a final reading at the step the loop read: the first stands
-        with pytest.raises(ValueError, match="step 3 for layer '0', stream 'activation' is not after step 10"):
-            mon.probe_reading(3)
+        with pytest.warns(UserWarning, match="step 3 for activation of layer '0' is not after step 10"):
+            mon.probe_reading(3)  # a restart is said, and dropped: training goes on
     steps = [r["step"] for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()]
     assert steps == [10, 10]  # layers 0 and 1, once each
 

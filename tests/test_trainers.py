@@ -53,9 +53,10 @@ def test_a_hugging_face_trainer_run_is_recorded_and_reported_beside_a_pytorch_ru
 
     ds, model = Rows(), tiny_bert()
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6,
-                             report_to=[], save_strategy="no", use_cpu=True, run_name="bert-trainer", logging_steps=100)
+                             report_to=[], save_strategy="no", use_cpu=True, run_name="bert-trainer", logging_steps=2)
     callback = TraceCallback(probe=[ds[i] for i in range(16)], probe_every=2)  # rows, batched by the collator
-    Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
+    trainer.train()
     path = tmp_path / "out" / "actrace.parquet"
     assert validate(path) == []
     meta = metadata.read(path)
@@ -67,9 +68,14 @@ def test_a_hugging_face_trainer_run_is_recorded_and_reported_beside_a_pytorch_ru
     assert acts["bert.encoder.layer.0.attention.self.query"]["kind"] == "linear"
     m = metrics(path)
     dead = m.filter((pl.col("layer") == act) & (pl.col("stream") == "activation"))
-    assert dead["step"].to_list() == [0, 2, 4, 5] and set(dead["dead_fraction"]) == {5 / 64}
+    assert dead["step"].to_list() == [1, 2, 4, 6] and set(dead["dead_fraction"]) == {5 / 64}
     grads = m.filter(pl.col("stream") == "param_grad")
-    assert sorted(set(grads["step"])) == list(range(6)) and grads["grad_norm"].drop_nulls().len() > 0
+    assert sorted(set(grads["step"])) == list(range(1, 7)) and grads["grad_norm"].drop_nulls().len() > 0
+    scalars = [r for r in actrace.read_table(path).to_pylist() if r["stream"] == "scalar"]
+    logged = {(e["step"], "loss"): e["loss"] for e in trainer.state.log_history if "loss" in e}
+    assert sorted(logged) == [(2, "loss"), (4, "loss"), (6, "loss")]  # the Trainer's own step numbers
+    assert {(r["step"], r["layer"]): r["value"] for r in scalars if r["layer"] == "loss"} == logged
+    assert {r["layer"] for r in scalars} >= {"loss", "lr", "grad_norm"}
 
     torch_run = tmp_path / "torch.parquet"  # the same model trained in a hand-written loop
     model = tiny_bert()
@@ -93,6 +99,7 @@ def lit_cnn(fail_at: int | None = None):
             self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
             with torch.no_grad():
                 self.net[0].bias[:3] = -50.0
+            self.losses = []
 
         def forward(self, x):
             return self.net(x)
@@ -101,7 +108,9 @@ def lit_cnn(fail_at: int | None = None):
             if i == fail_at:
                 raise RuntimeError("planted failure")
             x, y = batch
-            return F.cross_entropy(self(x), y)
+            loss = F.cross_entropy(self(x), y)
+            self.losses.append(loss.item())
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
@@ -124,7 +133,8 @@ def fit(tmp_path, module, steps=5):
 
 
 def test_a_lightning_run_is_recorded_with_its_kinds_and_killed_channels_dead(tmp_path, cli):
-    path = fit(tmp_path, lit_cnn())
+    module = lit_cnn()
+    path = fit(tmp_path, module)
     assert validate(path) == []
     meta = metadata.read(path)
     assert meta["status"] == "complete" and '"lr": 0.01' in meta["config"]
@@ -134,6 +144,9 @@ def test_a_lightning_run_is_recorded_with_its_kinds_and_killed_channels_dead(tmp
     relu = m.filter((pl.col("layer") == "net.1") & (pl.col("stream") == "activation"))
     assert relu["step"].to_list() == [0, 2, 4] and set(relu["dead_fraction"]) == {3 / 8}
     assert sorted(set(m.filter(pl.col("stream") == "param_grad")["step"])) == list(range(5))
+    scalars = [r for r in actrace.read_table(path).to_pylist() if r["stream"] == "scalar"]
+    assert [r["value"] for r in scalars if r["layer"] == "loss"] == pytest.approx(module.losses)  # steps 0 … 4
+    assert [(r["step"], r["value"]) for r in scalars if r["layer"] == "lr"] == [(s, 0.01) for s in range(5)]
     with Monitor(lit_cnn(), torch.randn(16, 3, 8, 8), tmp_path / "loop.parquet", run="cnn-loop") as mon:
         mon.probe_reading(0)  # the same module in a hand-written loop
     res = cli("report", path, tmp_path / "loop.parquet", "-o", tmp_path / "r.html")
