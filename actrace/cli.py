@@ -52,14 +52,15 @@ def analysis(args):
     """Every trace read once, with the analyzer commands' common options."""
     from .analyzer.analysis import analyze
     from .analyzer.compare import load_mapping
-    from .analyzer.findings import Rules
+    from .analyzer.findings import ADVICE
     from .analyzer.metrics import Thresholds
 
     th = Thresholds(args.dead_eps, args.sat_threshold)
-    rules = Rules(**{k: getattr(args, k) for k in ("max_dead", "max_saturation", "max_saturation_units")
-                     if getattr(args, k, None) is not None})
+    unknown = sorted(set(getattr(args, "allow", ())) - set(ADVICE))
+    if unknown:
+        raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
     progress("reading traces, computing metrics and findings")
-    a = analyze(args.paths, th, rules, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x)
+    a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x)
     if a.metrics.is_empty():
         raise ValueError(f"no readings in {' '.join(args.paths)}")
     return a
@@ -118,15 +119,17 @@ def cmd_findings(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .analyzer.check import violations
+    from .analyzer.check import LIMITS, as_json, as_junit, as_text, violations
 
     a = analysis(args)
-    bad = violations(a.metrics, a.findings, max_dead=args.max_dead, max_saturation=args.max_saturation,
-                     max_saturation_units=args.max_saturation_units, no_nan=args.no_nan, min_grad_norm=args.min_grad_norm, max_grad_norm=args.max_grad_norm,
-                     fail_on=args.fail_on)
-    for line in bad:
-        print(line)
-    print(f"check: {len(bad)} violation(s)" if bad else "check: passed")
+    runs = [meta.get("run_name") for meta in a.runs]
+    limits = {k: getattr(args, k) for k in LIMITS if getattr(args, k) is not None}
+    bad = violations(a.metrics, a.findings, runs, limits=limits, no_nan=args.no_nan, fail_on=args.fail_on,
+                     allow=set(args.allow))
+    gates = ["findings", *limits]
+    text = {"text": lambda: as_text(bad), "json": lambda: as_json(bad, runs),
+            "junit": lambda: as_junit(bad, runs, gates)}[args.format]()
+    emit(text, args.output, f"the check of {len(runs)} run(s)")
     return 1 if bad else 0
 
 
@@ -305,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="json/csv: one record per finding (severity, rule, run, layer, stream, step, evidence, "
                         "advice, score)")
     p.add_argument("-o", "--output", help="write here instead of stdout")
-    p = analyzer_command("check", "CI gate: print violations, exit 1 if any", cmd_check)
+    p = analyzer_command("check", "CI gate: fails (exit 1) on critical findings, unfinished runs and the "
+                         "thresholds given", cmd_check)
     p.add_argument("--max-dead", type=float, metavar="F", help="fail when a layer's dead fraction exceeds F")
     p.add_argument("--max-saturation", type=float, metavar="F",
                    help="fail when a layer's saturated share of values exceeds F")
@@ -314,8 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nan", action="store_true", help="fail on any NaN or Inf")
     p.add_argument("--min-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm is below G")
     p.add_argument("--max-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm exceeds G")
-    p.add_argument("--fail-on", choices=["critical", "warning", "never"], default=None,
-                   help="also fail on findings of this severity (default: critical when no other rule is given)")
+    p.add_argument("--fail-on", choices=["critical", "warning", "never"], default="critical",
+                   help="fail on findings of this severity or worse (default critical: NaN, dying units, vanishing "
+                        "or exploding gradients, and runs that failed, stopped or never closed); never: only the "
+                        "thresholds given")
+    p.add_argument("--allow", action="append", default=[], metavar="RULE",
+                   help="accept findings of this rule (repeatable), e.g. --allow dead_high")
+    p.add_argument("--format", choices=["text", "json", "junit"], default="text",
+                   help="json: {passed, runs, violations}; junit: one test case per run and rule, for CI systems")
+    p.add_argument("-o", "--output", help="write the answer here instead of stdout")
     return parser
 
 

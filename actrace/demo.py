@@ -24,18 +24,19 @@ class DemoRun:
     optimizer: str = "adam"
     lr: float = 1e-3
     bias_init: float | None = None
-    blow_up_at: int | None = None   # step from which the learning rate is multiplied by 1e6
+    lr_from: tuple[int, float] | None = None  # (step, factor): the learning rate is multiplied by factor there
+    ramp_from: tuple[int, float] | None = None  # (step, rate): from there, multiplied by rate at every step
 
 
 RUNS = [
     DemoRun("healthy-relu", "a ReLU MLP trained sensibly: nothing should be flagged"),
-    DemoRun("dying-relu", "learning rate 30x too high: ReLU units die, more and more", lr=0.03),
+    DemoRun("dying-relu", "the learning rate raised 30x at step 200: ReLU units die, more and more", lr_from=(200, 30.0)),
     DemoRun("saturated-tanh", "tanh layers initialized with a large bias: pinned at ±1", activation="tanh",
             bias_init=3.0),
     DemoRun("vanishing-sigmoid", "a deep sigmoid stack: gradients vanish towards the input", activation="sigmoid",
             depth=12, width=32, optimizer="sgd", lr=0.1),
-    DemoRun("nan-loss", "the learning rate explodes at step 200: the loss goes NaN", optimizer="sgd", lr=0.05,
-            blow_up_at=200),
+    DemoRun("nan-loss", "the learning rate grows 10% a step from step 200: gradients explode, the loss goes NaN",
+            activation="gelu", optimizer="sgd", lr=0.05, ramp_from=(200, 1.1)),
     DemoRun("lstm-forget-open", "an LSTM reading each example as 4 steps of 8 features, its forget-gate bias "
             "initialized at +6: the gate is pinned open", activation="lstm", width=32, bias_init=6.0),
 ]
@@ -63,7 +64,7 @@ def build_model(run: DemoRun, torch):
     nn = torch.nn
     if run.activation == "lstm":
         return _sequence_model(run, torch)
-    act = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[run.activation]
+    act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[run.activation]
     layers, width = OrderedDict(), IN_DIM
     for i in range(1, run.depth + 1):
         layers[f"fc{i}"] = nn.Linear(width, run.width)
@@ -110,14 +111,16 @@ def train(run: DemoRun, out: Path, export_dir: Path | None, torch) -> None:
                  config={"story": run.story, "activation": run.activation, "depth": run.depth,
                          "optimizer": run.optimizer, "lr": run.lr}, overwrite=True) as monitor:
         for step in range(STEPS + 1):
-            if step == run.blow_up_at:
-                for group in opt.param_groups:
-                    group["lr"] *= 1e6
+            factor = (run.lr_from[1] if run.lr_from and step == run.lr_from[0] else 1.0) * \
+                (run.ramp_from[1] if run.ramp_from and step >= run.ramp_from[0] else 1.0)
+            for group in opt.param_groups:
+                group["lr"] *= factor
             x, y = batch(BATCH)
             loss = loss_fn(model(x), y)
             opt.zero_grad()
             loss.backward()
             monitor.step(step)
+            monitor.log(step, loss=loss, lr=opt.param_groups[0]["lr"])
             if export_dir is not None and step % EXPORT_EVERY == 0:  # the weights the probe reading saw
                 export_dir.mkdir(parents=True, exist_ok=True)
                 model.eval()

@@ -10,6 +10,8 @@ import atexit
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -34,19 +36,54 @@ PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
 
 
 _open_writers: "weakref.WeakSet[Writer]" = weakref.WeakSet()
+_signalled: list[str] = []  # "terminated" once SIGTERM arrived
+
+
+class Terminated(SystemExit):
+    """What SIGTERM raises in the main thread while a writer is open: the training loop unwinds as
+    it does for Ctrl-C, every writer closes with status `terminated` (nothing buffered is lost), and
+    the process exits 143, as a terminated one does."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _signalled.append("terminated")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated()
+
+
+def _watch_sigterm() -> None:
+    """Handle SIGTERM as above, where nobody else handles it (the main thread only can)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def status(failed: BaseException | None, *, at_exit: bool = False, missing=()) -> str:
+    """The trace's `status` at close (spec §File metadata): how the run ended, or what it lacked."""
+    import sys
+
+    if at_exit:
+        uncaught = getattr(sys, "last_value", None)
+        return _signalled[0] if _signalled else status(uncaught) if uncaught is not None else "closed at exit"
+    if isinstance(failed, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(failed, Terminated):
+        return "terminated"
+    if failed is not None and not (isinstance(failed, SystemExit) and failed.code in (0, None)):
+        return f"failed: {type(failed).__name__}"
+    return "incomplete: " + ", ".join(f"no {stream} reading" for stream in missing) if missing else "complete"
 
 
 @atexit.register
 def _close_open_writers() -> None:
     """At interpreter exit, close every writer nobody closed (a script without `with`/`close()`):
-    status `failed: TYPE` after an uncaught exception, else `closed at exit` (the outcome unknown:
-    a clean end and `sys.exit(7)` look alike from here)."""
-    import sys
-
-    uncaught = getattr(sys, "last_value", None)
+    status `terminated` after SIGTERM, `failed: TYPE` after an uncaught exception, else `closed at
+    exit` (the outcome unknown: a clean end and `sys.exit(7)` look alike from here)."""
     for w in list(_open_writers):
         if not w.closed:
-            w.close(uncaught, at_exit=True)
+            w.close(at_exit=True)
 
 
 def parts_dir(path: Path) -> Path:
@@ -99,7 +136,7 @@ class Writer:
                  framework_version: str | None = None, adapter: str = "actrace.numpy",
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
-                 flush_seconds: float = 10.0, overwrite: bool = False):
+                 flush_seconds: float = 10.0, overwrite: bool = False, expect=()):
         self.path = Path(path)
         self.parts = parts_dir(self.path)
         if self.path.exists() or self.parts.exists():
@@ -123,8 +160,10 @@ class Writer:
         self._last_step: dict[tuple[str, str, str | None], int] = {}
         self._n_parts = 0
         self._unloggable: set[str] = set()
+        self.expect, self.streams = tuple(expect), set()  # streams a closed trace must hold, and those it got
         self.dropped, self._said_dropped = 0, set()  # readings at a step that did not grow
         _open_writers.add(self)
+        _watch_sigterm()
         self._last_flush = time.monotonic()
         self.readings_written = 0
         self.closed = False
@@ -172,6 +211,7 @@ class Writer:
         fingerprint = probe_fingerprint or self.probe_fingerprint
         for reading, index in zip(readings, layer_indexes):
             self._last_step[(reading.layer, reading.stream, reading.param)] = int(step)
+            self.streams.add(reading.stream)
             self._rows.append((reading, dict(base, layer_index=int(index), probe_fingerprint=fingerprint if
                                              reading.stream in ("activation", "activation_grad") else None)))
         if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
@@ -269,11 +309,13 @@ class Writer:
 
     def close(self, failed: BaseException | None = None, *, at_exit: bool = False) -> Path:
         """Flush, compact the part files into the trace atomically, remove the parts. The trace's
-        `status` says `complete`, or `failed: TYPE` when the run ended with exception `failed`."""
+        `status` says `complete`; `failed: TYPE` when the run ended with exception `failed`,
+        `interrupted` (Ctrl-C) or `terminated` (SIGTERM); `incomplete: no STREAM reading` when a
+        stream it was told to `expect` got none."""
         if self.closed:
             return self.path
-        self.meta["status"] = f"failed: {type(failed).__name__}" if failed is not None else \
-            "closed at exit" if at_exit else "complete"
+        missing = [s for s in self.expect if s not in self.streams]
+        self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
         self.flush()
         self.closed = True
         parts = sorted(self.parts.glob("part-*.parquet"))

@@ -53,7 +53,9 @@ class Monitor:
     `include`/`exclude` are glob patterns on reading names (`layers.*.mlp.act`); `types` keeps
     only modules of those classes; `unit_axes` maps name patterns to a unit axis, over what the
     trace finds (except a softmax's, which is the axis it normalizes); `scaler` is the
-    `torch.amp.GradScaler` whose scale the gradients carry.
+    `torch.amp.GradScaler` whose scale the gradients carry. `grad_every=None` reads no gradients
+    (probe readings of checkpoints); otherwise a run that closes without any gradient reading says
+    so, and its trace's status is `incomplete`.
     """
 
     def __init__(self, model: nn.Module, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
@@ -84,15 +86,16 @@ class Monitor:
             self.layer_index.setdefault(name, len(self.layer_index))
         self.writer = None
         if self.rank == 0:
+            trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
             self.writer = actrace.Writer(
                 **options, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
                 probe_fingerprint=self._probe.fingerprint, probe_size=self._probe.size, mode=self.mode,
-                flush_every=flush_every)
+                flush_every=flush_every, expect=("param_grad",) if trainable else ())
         self._previous: dict[tuple[str, str], torch.Tensor] = {}
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
         self._last_step = self._last_probe = None
-        self._fresh_grads, self._warned_stale = False, False
+        self._fresh_grads, self._warned_stale, self._alarmed = False, False, False
         self._handles, self._grad_tracing = [], False
         if activation_grads:
             self._grad_trace = ForwardTrace(self.inner, self._hook_grad, self._wanted)
@@ -209,7 +212,7 @@ class Monitor:
         return "train"
 
     def _start_grad_trace(self, module, inputs):
-        if torch.is_grad_enabled() and self._steps_seen % self.grad_every == 0:
+        if torch.is_grad_enabled() and self.grad_every and self._steps_seen % self.grad_every == 0:
             self._grad_tracing = True
             self._grad_trace.__enter__()
 
@@ -287,7 +290,7 @@ class Monitor:
         """Record every parameter's gradient (layer-level: norm, extremes, zeros, NaN/Inf), and the
         activation gradients captured in the last backward when `activation_grads` is on. Under a
         loss scaler the gradients are read unscaled, and a step it will skip (a NaN or Inf) has
-        mode `skipped`."""
+        mode `skipped`; without one, the first step with a NaN or Inf gradient also gets a probe reading."""
         if not self._fresh_grads and not self._warned_stale and any(True for _ in self._parameters()):
             warnings.warn(f"actrace: step {step}: no gradient arrived since the last gradient reading; call "
                           "mon.step(step) after loss.backward() and before optimizer.zero_grad()", stacklevel=3)
@@ -299,8 +302,14 @@ class Monitor:
             + to_readings(self._grad_outputs)
         self._grad_outputs = []
         scaled = self.scaler is not None and self.scaler.is_enabled()
-        skipped = scaled and any(r.nan_count or r.inf_count for r in readings)
-        return self._write(step, readings, mode="skipped" if skipped else "train")
+        broken = any(r.nan_count or r.inf_count for r in readings)
+        written = self._write(step, readings, mode="skipped" if scaled and broken else "train")
+        if broken and not scaled and not self._alarmed and self._last_probe != step:
+            # the first non-finite gradient: read the probe now, with the weights that made it, so the
+            # forward layer where the NaN or Inf starts is seen, not only the backward's spread
+            self._alarmed = True
+            written += self.probe_reading(step)
+        return written
 
     def parameter_reading(self, step: int) -> int:
         """Record every parameter tensor and its update norm ‖w − w_prev‖ since the last parameter reading."""
@@ -330,7 +339,7 @@ class Monitor:
         probe reading at the first step whatever `probe_every` says, and at the last on close)."""
         if step % self.probe_every == 0 or self._last_probe is None:  # the first step too: where trends start
             self.probe_reading(step)
-        if step % self.grad_every == 0:
+        if self.grad_every and step % self.grad_every == 0:
             self.gradient_reading(step)
         if step % self.param_every == 0:
             self.parameter_reading(step)
@@ -356,6 +365,12 @@ class Monitor:
         self.closed = True
         for h in self._handles:
             h.remove()
+        if failed is None and self.writer is not None and self.writer.expect and \
+                "param_grad" not in self.writer.streams:
+            why = ("step() was never called" if self._last_step is None else
+                   "step() found no gradient: call it after loss.backward() and before optimizer.zero_grad()")
+            warnings.warn(f"actrace: {self.writer.path}: no gradient was read ({why}); the trace's status says "
+                          "incomplete (grad_every=None records probe readings only)", stacklevel=3)
         return self.writer.close(failed) if self.writer is not None else None
 
     def __enter__(self) -> "Monitor":

@@ -12,14 +12,15 @@ import polars as pl
 from actrace.reader import read_source
 
 from .compare import align, compare
-from .findings import Finding, Rules, findings
-from .metrics import Thresholds, from_readings, readings
+from .findings import Finding, Rules, findings, findings_frame
+from .metrics import Thresholds, from_readings, readings, scalars
 
 
 @dataclass
 class Analysis:
     metrics: pl.DataFrame     # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more
     runs: list[dict]          # per trace, in the order given: its file metadata and `file`
+    scalars: pl.DataFrame     # the training loop's logged values: run, step, name (loss, lr, …), value
     rules: Rules = Rules()
     mapping: dict | None = None
     x: str = "step"
@@ -29,7 +30,12 @@ class Analysis:
     @cached_property
     def findings(self) -> list[Finding]:
         """The findings rules over the metrics, most urgent first."""
-        return findings(self.metrics, self.rules, self.runs, self.th)
+        return findings(self.metrics, self.rules, self.runs, self.th, self.scalars)
+
+    @property
+    def findings_frame(self) -> pl.DataFrame:
+        """The findings as a Polars frame, numbers as numbers (analyzer.findings.FINDING_COLUMNS)."""
+        return findings_frame(self.findings)
 
     @property
     def baseline(self) -> str | None:
@@ -67,4 +73,4 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     rows, runs = readings(paths, th)
-    return Analysis(from_readings(rows, th), runs, rules, mapping, x, th)
+    return Analysis(from_readings(rows, th), runs, scalars(rows), rules, mapping, x, th)

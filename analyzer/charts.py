@@ -136,3 +136,29 @@ def gradient_profile(df: pl.DataFrame) -> alt.Chart:
         opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
         tooltip=["run:N", "layer:N", "step:Q", alt.Tooltip("grad_norm:Q", format=".3g")],
     ).add_params(highlight).properties(title="gradient norm across depth (last reading)", width=560, height=260)
+
+
+def loss_with_findings(loss: pl.DataFrame, marks: pl.DataFrame) -> alt.LayerChart:
+    """Each run's logged loss over steps, with its findings marked where they start (a critical
+    finding as a red cross, a warning as an orange triangle): the findings read against the loss.
+    The axis ends at three times the largest of the runs' losses over their first tenth (a loss that
+    blows up leaves the chart at the top, clipped, rather than flattening every other curve)."""
+    highlight = alt.selection_point(name="loss_run", fields=["run"], bind="legend")
+    early = loss.filter(pl.col("step") <= pl.col("step").min().over("run")
+                        + 0.1 * (pl.col("step").max() - pl.col("step").min()).over("run"))
+    top = 3 * float(early.group_by("run").agg(pl.col("value").median())["value"].max())
+    low = min(0.0, float(loss["value"].min()))
+    lines = alt.Chart(inline(loss)).mark_line(clip=True).encode(
+        x=alt.X("step:Q", title="step"),
+        y=alt.Y("value:Q", title="training loss", scale=alt.Scale(domain=[low, top])),
+        color=alt.Color("run:N", scale=RUN_COLORS), opacity=alt.condition(highlight, alt.value(1.0), alt.value(0.15)),
+        tooltip=["run:N", "step:Q", alt.Tooltip("value:Q", format=".4g", title="loss")]).add_params(highlight)
+    points = alt.Chart(inline(marks.with_columns(pl.col("value").clip(upper_bound=top)))).mark_point(
+        size=90, filled=True).encode(
+        x="step:Q", y="value:Q",
+        shape=alt.Shape("severity:N", scale=alt.Scale(domain=["critical", "warning"], range=["cross", "triangle-up"])),
+        color=alt.Color("severity:N", scale=alt.Scale(domain=["critical", "warning"], range=["#b00020", "#e08000"]),
+                        legend=None),
+        tooltip=["run:N", "rule:N", "layer:N", "step:Q", "evidence:N"])
+    return alt.layer(lines, points).resolve_scale(color="independent").properties(
+        title="loss, with findings where they start", width=760, height=260)

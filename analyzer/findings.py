@@ -1,11 +1,17 @@
-"""Findings: rules that turn metrics into "what is wrong, where, since when" (DOMAIN.md's table).
+"""Findings: rules that turn metrics into "what is wrong, where, since when" (spec §Findings).
 
-Every threshold is a field of `Rules`, defaulting to the reference points of DOMAIN.md. A dead
-fraction still growing over the recent readings ranks above a larger stable one: trend beats
-level. A NaN is reported where it starts: the forward pass, in forward order, then the spread.
+Every threshold is a field of `Rules`, its default calibrated on the labelled corpus of
+bench/bench_findings.py (healthy runs of eight families give no critical finding). Each rule
+computes its numbers once and builds its evidence and its `Finding` fields from those same numbers.
+Trend beats level: a dead fraction still growing ranks above a larger stable one. A NaN is reported
+where it starts (the forward pass, in forward order), then where it spread. Gradient growth is an
+explosion only when it is sustained and the loss stops falling: a net leaving its initial plateau
+raises its gradient norm tenfold while it learns.
 """
 from __future__ import annotations
 
+import fnmatch
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -15,10 +21,14 @@ from actrace.recurrent import describe
 from actrace.schema import KIND_BOUNDS, STREAMS
 
 from .metrics import Thresholds
+from .trends import held_since, onset, recent, stable_since, theil_sen
 
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 # Within a step, the forward pass comes first: a NaN starts there and the backward spreads it.
 STREAM_ORDER = {stream: i for i, stream in enumerate(STREAMS)}  # the spec lists them in that order
+# attention's query and key projections: their gradients are tiny while attention is near uniform
+# (at initialization above all), which is normal, not vanishing
+QUERY_KEY = ("*.query", "*.key", "*q_proj", "*k_proj", "*.q", "*.k", "*.wq", "*.wk", "*q_lin", "*k_lin")
 
 
 @dataclass(frozen=True)
@@ -26,20 +36,33 @@ class Rules:
     """Thresholds of the findings rules (analysis options, never recorded in traces)."""
 
     max_dead: float = 0.2            # "tens of % means the layer is effectively much narrower"
-    dead_growth: float = 0.05        # rise in dead fraction over the recent half of the readings: still growing
+    dead_growth: float = 0.2         # rise in dead fraction over the recent half of the readings: still dying
+    #                                  (healthy ReLU nets lose up to 12 points early in training: attrition;
+    #                                  the corpus's dying layers rise by 41 points or more)
     max_saturation: float = 0.3      # "over 30 % suggests init or learning-rate trouble"
+    max_gate_saturation: float = 0.9  # a recurrent gate works as a switch: most values at a bound is normal
     max_saturation_units: float = 0.1  # share of units pinned for every input of the probe
-    saturation_spike: float = 0.2    # jump between two consecutive readings
+    saturation_spike: float = 0.2    # jump between two consecutive readings, landing above max_saturation
     mean_drift_sigmas: float = 2.0   # |mean| > k·std for unbounded, non-rectified layers
     collapse_ratio: float = 1e-2     # std fell below this share of its first reading
-    vanishing: float = 1e-5          # gradient norm in the earliest quarter of the layers
-    decay_ratio: float = 1e3         # last-layer / first-layer gradient norm
+    vanishing: float = 1e-5          # gradient norm of the earliest layers (their median) ...
+    decay_ratio: float = 1e3         # ... or gradient RMS this many times below the latest layers'
+    vanishing_share: float = 0.8     # ... at this share of the gradient readings, to the end of the run,
+    vanishing_readings: int = 10     # and at least this many of them (a net on its initial plateau is no trend)
     exploding: float = 1.0           # gradient norm above this ...
-    exploding_growth: float = 10.0   # ... and this many times the median of the layer's earlier readings
+    exploding_growth: float = 10.0   # ... and this many times its median before the window, at each of
+    exploding_window: int = 10       # the last 3 of a window of this many gradient readings, still rising,
+    #                                  while the loss stops falling (without a logged loss: growth² and
+    #                                  a warning, not a critical finding)
+    update_growth: float = 10.0      # or the layers' median update ratio this many times its median over
+    #                                  the earlier parameter readings (critical when the loss stopped falling)
 
 
 @dataclass
 class Finding:
+    """One finding. `value` is the number the rule tested and `threshold` the limit it crossed;
+    `first_step`/`last_step` the readings it read; `step` is where the pathology starts."""
+
     severity: str
     rule: str
     run: str
@@ -49,6 +72,11 @@ class Finding:
     advice: str
     score: float = 0.0
     stream: str = "activation"
+    value: float | None = None
+    threshold: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    layer_index: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,10 +99,13 @@ ADVICE = {
     "run_unfinished": "the trace was never closed: the run is still going, or was killed; its part files are "
                       "what was flushed",
     "run_failed": "the run ended with an exception; its readings up to then are kept",
+    "run_stopped": "the run was stopped (Ctrl-C or a termination signal) before it finished; its readings up "
+                   "to then are kept",
+    "stream_missing": "the monitor never got what it was set to read: call monitor.step(step) after "
+                      "loss.backward() and before optimizer.zero_grad()",
     "scaler_skipped": "the loss scaler skipped these updates and lowered its scale: normal now and then under "
                       "mixed precision; often in a row, lower the LR or the initial scale",
 }
-
 
 # a recurrent gate at its bounds: what its own knobs are
 GATE_ADVICE = ("a gate pinned for every input does the same at every step: check this gate's bias "
@@ -96,26 +127,15 @@ def _gate(what: tuple[str, str] | None) -> str | None:
     return name if name.endswith("gate") else None
 
 
-def _finding(severity, rule, run, layer, step, evidence, score=0.0, stream="activation", advice=None) -> Finding:
-    return Finding(severity, rule, run, layer, int(step), evidence, advice or ADVICE[rule], float(score), stream)
+def _finding(severity, rule, run, layer, step, evidence, *, score=0.0, stream="activation", advice=None,
+             value=None, threshold=None, first=None, last=None, index=None) -> Finding:
+    def num(v):
+        return None if v is None else float(v)
 
-
-def recent_rise(steps: np.ndarray, values: np.ndarray) -> tuple[float, int]:
-    """How much `values` rose over the recent half of the readings (the last three at least), and
-    the step that half starts at: the median of the pairwise slopes there (Theil–Sen, robust to
-    one odd reading) times its span of steps."""
-    start = len(values) // 2 if len(values) >= 6 else max(len(values) - 3, 0)
-    s, v = steps[start:].astype(np.float64), values[start:]
-    i, j = np.triu_indices(len(v), 1)
-    if len(v) < 3:
-        return 0.0, int(steps[start])
-    return float(np.median((v[j] - v[i]) / np.maximum(s[j] - s[i], 1e-12)) * (s[-1] - s[0])), int(steps[start])
-
-
-def stable_since(steps: np.ndarray, values: np.ndarray, tolerance: float) -> int:
-    """The first step from which `values` stays within `tolerance` of its last value."""
-    off = np.nonzero(np.abs(values - values[-1]) > tolerance)[0]
-    return int(steps[off[-1] + 1] if len(off) else steps[0])
+    def whole(v):
+        return None if v is None else int(v)
+    return Finding(severity, rule, run, layer, int(step), evidence, advice or ADVICE[rule], float(score), stream,
+                   num(value), num(threshold), whole(first), whole(last), whole(index))
 
 
 def _per_layer(m: pl.DataFrame, stream: str):
@@ -140,6 +160,59 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
     return f"{what[1]} pinned: {share:.0%} of units within {margin:.4g} of ±{hi:g}"
 
 
+def _dead(run, layer, g, r: Rules) -> Finding | None:
+    """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope); else
+    dead_high: many units dead, stable since the step it reached that level."""
+    steps, dead = g["step"].to_numpy(), g["dead_fraction"].fill_null(np.nan).to_numpy()
+    known = ~np.isnan(dead)
+    if not known.any() or not known[-1]:
+        return None
+    s, d = steps[known], dead[known]
+    i = recent(s)
+    rise = theil_sen(s[i:], d[i:]) * (s[-1] - s[i])
+    index = g["layer_index"][0]
+    if rise >= r.dead_growth and d[-1] - d[i] >= r.dead_growth / 2:
+        start = onset(s, d)
+        return _finding("critical", "dead_growing", run, layer, s[start],
+                        f"dead fraction rose from {d[start]:.0%} at step {s[start]} to {d[-1]:.0%} at step {s[-1]}, "
+                        f"{rise:+.0%} over the last {len(s) - i} readings (since step {s[i]})",
+                        score=1 + rise, value=rise, threshold=r.dead_growth, first=s[i], last=s[-1], index=index)
+    if d[-1] > r.max_dead:
+        since = stable_since(s, d, r.dead_growth / 2)
+        trend = f"stable since step {since}" if since < s[-1] else "not rising steadily of late"
+        return _finding("warning", "dead_high", run, layer, since,
+                        f"{d[-1]:.0%} of units dead at step {s[-1]}, {trend}", score=d[-1], value=d[-1],
+                        threshold=r.max_dead, first=since, last=s[-1], index=index)
+    return None
+
+
+def _saturation(run, layer, g, r: Rules, what, advice) -> Finding | None:
+    """saturation_spike: the saturated share jumped between two readings to above max_saturation
+    (max_gate_saturation for a recurrent gate); else saturation_high: above it at the last reading."""
+    steps, sat = g["step"].to_numpy(), g["saturation_value"].fill_null(np.nan).to_numpy()
+    if not len(sat) or np.isnan(sat).all():
+        return None
+    index, limit = g["layer_index"][0], r.max_gate_saturation if _gate(what) else r.max_saturation
+    jumps = np.diff(sat)
+    landed = (jumps >= r.saturation_spike) & (sat[1:] > limit)
+    if landed.any():
+        i = int(np.argmax(np.where(landed, jumps, -np.inf))) + 1
+        return _finding("warning", "saturation_spike", run, layer, steps[i],
+                        f"saturation jumped from {sat[i - 1]:.0%} at step {steps[i - 1]} to {sat[i]:.0%} at step "
+                        f"{steps[i]}", score=jumps[i - 1], value=jumps[i - 1], threshold=r.saturation_spike,
+                        first=steps[i - 1], last=steps[i], index=index, advice=advice)
+    if sat[-1] > limit:
+        start = steps[np.argmax(sat > limit)]
+        unit = g["saturation_unit"][-1]
+        share = "of its distributions peaked near 1" if g["kind"][-1] == "softmax" else "of values"
+        return _finding("warning", "saturation_high", run, layer, start,
+                        (f"{what[1]} at its bounds: " if what else "") +
+                        f"{sat[-1]:.0%} {share} and {unit:.0%} of units saturated at step {steps[-1]}, above "
+                        f"{limit:.0%} since step {start}", score=sat[-1], value=sat[-1],
+                        threshold=limit, first=start, last=steps[-1], index=index, advice=advice)
+    return None
+
+
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
     names = {run: set(g["layer"]) for (run,), g in m.group_by(["run"])}
@@ -148,100 +221,182 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
         if what and what[1].startswith("final"):
             continue  # a final state is the last step of its sequence, judged there
         advice = GATE_ADVICE if _gate(what) else None
+        index = g["layer_index"][0]
+        out += [f for f in (_dead(run, layer, g, r), _saturation(run, layer, g, r, what, advice)) if f]
         steps = g["step"].to_numpy()
-        dead = g["dead_fraction"].fill_null(np.nan).to_numpy()
-        known = ~np.isnan(dead)
-        if known.sum() and known[-1]:
-            d, s = dead[known], steps[known]
-            rise, start = recent_rise(s, d)
-            if rise >= r.dead_growth:
-                out.append(_finding("critical", "dead_growing", run, layer, start,
-                                    f"dead fraction still rising: {d[0]:.0%} at step {s[0]}, {d[-1]:.0%} at step "
-                                    f"{s[-1]}, +{rise:.0%} over the recent readings", 1 + rise))
-            elif d[-1] > r.max_dead:
-                since = stable_since(s, d, r.dead_growth / 2)
-                trend = f"stable since step {since}" if since < s[-1] else "not rising steadily of late"
-                out.append(_finding("warning", "dead_high", run, layer, since,
-                                    f"{d[-1]:.0%} of units dead at step {s[-1]}, {trend}", d[-1]))
-        sat = g["saturation_value"].fill_null(np.nan).to_numpy()
-        if len(sat) and not np.isnan(sat).all():
-            jumps = np.diff(sat)
-            if len(jumps) and not np.isnan(jumps).all() and np.nanmax(jumps) >= r.saturation_spike:
-                i = int(np.nanargmax(jumps)) + 1
-                out.append(_finding("warning", "saturation_spike", run, layer, steps[i],
-                                    f"saturation jumped from {sat[i - 1]:.0%} to {sat[i]:.0%}", jumps[i - 1]))
-            elif sat[-1] > r.max_saturation:
-                start = steps[np.argmax(sat > r.max_saturation)]
-                unit = g["saturation_unit"][-1]
-                share = "of its distributions peaked near 1" if g["kind"][-1] == "softmax" else "of values"
-                out.append(_finding("warning", "saturation_high", run, layer, start,
-                                    (f"{what[1]} at its bounds: " if what else "") +
-                                    f"{sat[-1]:.0%} {share} and {unit:.0%} of units saturated at step "
-                                    f"{steps[-1]}", sat[-1], advice=advice))
         pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
         if len(pinned) and pinned[-1] > r.max_saturation_units:
             start = steps[np.argmax(pinned > r.max_saturation_units)]
             out.append(_finding("warning", "units_pinned", run, layer, start,
                                 f"{_pinned(what, g['kind'][0], g['mean'][-1], pinned[-1], th.sat_threshold)} for "
                                 f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
-                                f"step {start}", pinned[-1], advice=advice))
+                                f"step {start}", score=pinned[-1], advice=advice, value=pinned[-1],
+                                threshold=r.max_saturation_units, first=start, last=steps[-1], index=index))
         clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
         std = g["std"].fill_null(np.nan).to_numpy()[clean]
         mean = g["mean"].fill_null(np.nan).to_numpy()[clean]
         steps = steps[clean]
-        kind = g["kind"][0]
         if len(std) >= 2 and std[0] > 0 and std[-1] < r.collapse_ratio * std[0]:
             start = steps[np.argmax(std < r.collapse_ratio * std[0])]
             out.append(_finding("warning", "variance_collapse", run, layer, start,
-                                f"std fell from {std[0]:.3g} to {std[-1]:.3g}", std[0] / max(std[-1], 1e-30)))
-        if kind in ("linear", "conv", "norm", "identity") and len(mean) and std[-1] > 0 \
+                                f"std fell from {std[0]:.3g} at step {steps[0]} to {std[-1]:.3g} at step {steps[-1]}, "
+                                f"below {r.collapse_ratio:.0%} of its first reading since step {start}",
+                                score=std[0] / max(std[-1], 1e-30), value=std[-1] / std[0], threshold=r.collapse_ratio,
+                                first=steps[0], last=steps[-1], index=index))
+        if g["kind"][0] in ("linear", "conv", "norm", "identity") and len(mean) and std[-1] > 0 \
                 and abs(mean[-1]) > r.mean_drift_sigmas * std[-1]:
-            drift = np.abs(mean) > r.mean_drift_sigmas * std
-            out.append(_finding("warning", "mean_drift", run, layer, steps[np.argmax(drift)],
-                                f"mean {mean[-1]:.3g} is {abs(mean[-1]) / std[-1]:.1f} std from zero",
-                                abs(mean[-1]) / std[-1]))
+            start = steps[np.argmax(np.abs(mean) > r.mean_drift_sigmas * std)]
+            out.append(_finding("warning", "mean_drift", run, layer, start,
+                                f"mean {mean[-1]:.3g} is {abs(mean[-1]) / std[-1]:.1f} std from zero at step "
+                                f"{steps[-1]}, beyond {r.mean_drift_sigmas:g} std since step {start}",
+                                score=abs(mean[-1]) / std[-1], value=abs(mean[-1]) / std[-1],
+                                threshold=r.mean_drift_sigmas, first=start, last=steps[-1], index=index))
     return out
 
 
-def _gradient_findings(m: pl.DataFrame, r: Rules) -> list[Finding]:
+def _layer_norms(g: pl.DataFrame) -> tuple[np.ndarray, list[tuple[int, str]], np.ndarray, np.ndarray]:
+    """A run's gradient readings as arrays: steps, the layers in depth order, and per (step, layer)
+    the L2 norm and the RMS (norm over √values, which compares layers of different sizes)."""
+    wide = g.pivot(on="layer", index="step", values=["grad_norm", "values"], aggregate_function="first").sort("step")
+    depth = sorted(set(zip(g["layer_index"].to_list(), g["layer"].to_list())))
+    norm = np.column_stack([wide[f"grad_norm_{l}"].fill_null(np.nan).to_numpy() for _, l in depth])
+    count = np.column_stack([wide[f"values_{l}"].fill_null(np.nan).to_numpy() for _, l in depth])
+    return wide["step"].to_numpy(), depth, norm, norm / np.sqrt(np.maximum(count, 1))
+
+
+def _vanishing(run, steps, depth, norm, rms, r: Rules) -> Finding | None:
+    """The depth profile of each step decays towards the input: the earliest quarter of the layers
+    (attention's query and key projections left out) has a median gradient norm below `vanishing`,
+    or a median RMS `decay_ratio` times below the latest quarter's, at `vanishing_share` of the
+    gradient readings to the end of the run, `vanishing_readings` of them at least (one step at
+    initialization, or a net on its initial plateau, is no trend)."""
+    keep = [i for i, (_, layer) in enumerate(depth) if not any(fnmatch.fnmatchcase(layer, p) for p in QUERY_KEY)]
+    if len(keep) < 2:
+        return None
+    quarter = max(1, len(keep) // 4)
+    early, late = keep[:quarter], keep[-quarter:]
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step where every early layer is NaN: NaN
+        early_norm, early_rms = np.nanmedian(norm[:, early], 1), np.nanmedian(rms[:, early], 1)
+        late_norm, late_rms = np.nanmedian(norm[:, late], 1), np.nanmedian(rms[:, late], 1)
+        decay = late_rms / early_rms
+    usable = np.isfinite(norm).all(1) & (late_norm > 0)  # a broken or silent output says nothing of depth
+    steps, decay = steps[usable], decay[usable]
+    early_norm, late_norm = early_norm[usable], late_norm[usable]
+    vanished = (early_norm < r.vanishing) | (decay > r.decay_ratio)
+    since = held_since(vanished, r.vanishing_share)
+    if since is None or len(vanished) - since < r.vanishing_readings:
+        return None
+    names = [depth[i][1] for i in early]
+    lates = [depth[i][1] for i in late]
+    share = vanished[since:].mean()
+    return _finding("critical", "vanishing_gradients", run, names[0], steps[since],
+                    f"gradient norm {early_norm[-1]:.2g} in {_layers(names)} vs {late_norm[-1]:.2g} in "
+                    f"{_layers(lates)} at step {steps[-1]} (RMS {decay[-1]:.2g}× smaller towards the input); "
+                    f"so at {share:.0%} of the gradient readings since step {steps[since]}",
+                    score=np.log10(max(decay[-1], 1)), stream="param_grad", value=decay[-1], threshold=r.decay_ratio,
+                    first=steps[since], last=steps[-1], index=depth[early[0]][0])
+
+
+def _layers(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"the {len(names)} layers {names[0]} … {names[-1]} (median)"
+
+
+def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool, str] | None:
+    """Whether the logged loss over steps [mid, hi] is above its median over [lo, mid) (a NaN or Inf
+    loss has risen), with the evidence; None where no loss was logged in either span."""
+    if loss is None:
+        return None
+    steps, values = loss["step"].to_numpy(), loss["value"].to_numpy()
+    before, now = values[(steps >= lo) & (steps < mid)], values[(steps >= mid) & (steps <= hi)]
+    if not len(before) or not len(now):
+        return None
+    if not np.isfinite(now).all():
+        return True, "; the loss is no longer finite"
+    b, n = np.median(before), np.median(now)
+    return bool(n > b), f"; the loss {'rose' if n > b else 'still falls'}: its median {b:.3g} before, {n:.3g} since"
+
+
+def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> Finding | None:
+    """The total gradient norm grew `exploding_growth`× above its median before a window of
+    `exploding_window` readings at each of the window's last three, is above `exploding`, still
+    rising, and the loss over the window is above the loss over the window before (it stopped
+    falling). Without a logged loss the growth must be squared, and the finding is a warning."""
+    total = np.sqrt(np.sum(norm ** 2, 1))
+    w = r.exploding_window
+    if len(total) < w + 5:
+        return None
+    low = np.fmin.accumulate(np.where(np.isfinite(total), total, np.inf))  # the median is above the minimum
+    for i in range(w + 4, len(total)):
+        if not np.isfinite(total[i]):
+            break  # non-finite gradients are nan_inf's business
+        window, history = total[i - w + 1: i + 1], total[: i - w + 1]
+        if window[-1] <= r.exploding or window[-3:].min() < r.exploding_growth * low[i - w]:
+            continue  # cannot have grown enough: the median before is above the minimum before
+        base = np.median(history[np.isfinite(history)])
+        growth = window[-3:].min() / max(base, 1e-30)
+        rose = _loss_rose(loss, steps[max(0, i - 2 * w + 1)], steps[i - w + 1], steps[i])
+        need = r.exploding_growth if rose is not None else r.exploding_growth ** 2
+        if growth < need or theil_sen(steps[i - w + 1: i + 1], np.log10(np.maximum(window, 1e-30))) <= 0:
+            continue
+        if rose is not None and not rose[0]:
+            continue  # the loss keeps falling: a net learning faster, not diverging
+        said = rose[1] if rose is not None else "; no loss was logged to read it against"
+        start = i - w + 1 + int(np.argmax(window > r.exploding_growth * base))
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ratios = norm[i] / np.maximum(np.nanmedian(norm[: i - w + 1], 0), 1e-30)
+        worst = int(np.nanargmax(ratios))
+        others = [depth[j][1] for j in np.argsort(-ratios) if j != worst and ratios[j] >= r.exploding_growth][:5]
+        return _finding("critical" if rose is not None else "warning", "exploding_gradients", run,
+                        depth[worst][1], steps[start],
+                        f"total gradient norm {window[-1]:.3g} at step {steps[i]}, {growth:.3g}× its median of "
+                        f"{base:.3g} before step {steps[i - w + 1]} and still rising{said}; grew most in "
+                        f"{depth[worst][1]} ({ratios[worst]:.3g}×)" + (f", also {', '.join(others)}" if others else ""),
+                        score=np.log10(growth), stream="param_grad", value=growth, threshold=need,
+                        first=steps[i - w + 1], last=steps[i], index=depth[worst][0])
+    return None
+
+
+def _runaway_updates(run, p: pl.DataFrame, loss: pl.DataFrame | None, r: Rules) -> Finding | None:
+    """The layers' median update ratio (‖Δw‖ / ‖w‖ since the previous parameter reading) at a reading
+    is `update_growth`× its median over the earlier readings (three at least): the updates run away
+    from their own history, as under a learning rate that keeps rising. Critical when the loss over
+    that span is above the loss before it, else a warning (a falling loss weighs against it)."""
+    per = p.filter(pl.col("update_ratio").is_finite()).sort("step")
+    ratio = per.group_by("step", maintain_order=True).agg(pl.col("update_ratio").median())
+    steps, u = ratio["step"].to_numpy(), ratio["update_ratio"].to_numpy()
+    for i in range(3, len(u)):
+        base = np.median(u[:i])
+        if not u[i] >= r.update_growth * max(base, 1e-30):
+            continue
+        rose = _loss_rose(loss, steps[i - 2], steps[i - 1], steps[i])
+        layers = per.filter(pl.col("step") == steps[i]).with_columns(
+            (pl.col("update_ratio") / pl.col("update_ratio").median()).alias("_rel")).sort("update_ratio", descending=True)
+        worst = layers.row(0, named=True)
+        said = rose[1] if rose is not None else ""
+        return _finding("critical" if rose is not None and rose[0] else "warning", "exploding_gradients", run,
+                        worst["layer"], steps[i],
+                        f"updates ran away from their history: median update ratio {u[i]:.3g} at step {steps[i]}, "
+                        f"{u[i] / base:.3g}× its median of {base:.3g} over the {i} readings before (largest in "
+                        f"{worst['layer']}, {worst['update_ratio']:.3g}){said}", score=np.log10(u[i] / base),
+                        stream="param", value=u[i] / base, threshold=r.update_growth, first=steps[0], last=steps[i],
+                        index=worst["layer_index"])
+    return None
+
+
+def _gradient_findings(m: pl.DataFrame, r: Rules, scalars: pl.DataFrame | None) -> list[Finding]:
     out = []
     grads = m.filter((pl.col("stream") == "param_grad") & pl.col("grad_norm").is_not_null())
+    params = m.filter(pl.col("stream") == "param")
     for (run,), g in grads.sort("run", "step", "layer_index").group_by(["run"], maintain_order=True):
-        depth = sorted(set(zip(g["layer_index"].to_list(), g["layer"].to_list())))
-        if len(depth) >= 2:
-            early = {layer for _, layer in depth[: max(1, len(depth) // 4)]}
-            first_layer, last_layer = depth[0][1], depth[-1][1]
-            for (step,), s in g.group_by(["step"], maintain_order=True):
-                norms = dict(zip(s["layer"].to_list(), s["grad_norm"].to_list()))
-                top = norms.get(last_layer) or 0.0
-                if not (np.isfinite(list(norms.values())).all() and top > 0):
-                    continue  # a broken or zero signal at the output says nothing about depth
-                low = {l: n for l, n in norms.items() if l in early and n < r.vanishing}
-                ratio = top / norms[first_layer] if norms.get(first_layer) else np.inf
-                if low or ratio > r.decay_ratio:
-                    layer = min(low, key=low.get) if low else first_layer
-                    out.append(_finding("critical", "vanishing_gradients", run, layer, step,
-                                        f"gradient norm {norms.get(layer, 0):.2g} at {layer} vs "
-                                        f"{norms.get(last_layer, 0):.2g} at {last_layer} "
-                                        f"({ratio:.0e}× decay towards the input)", np.log10(max(ratio, 1)), "param_grad"))
-                    break
-        exploded = []  # (step, layer, norm, median): one finding per run, naming every layer
-        for (layer,), s in g.group_by(["layer"], maintain_order=True):
-            norm = s["grad_norm"].to_numpy()
-            steps = s["step"].to_numpy()
-            for i in range(5, len(norm)):  # against the median of the history, not the tiny first step
-                history = norm[:i][np.isfinite(norm[:i])]
-                if len(history) >= 5 and np.isfinite(norm[i]) and norm[i] > r.exploding \
-                        and norm[i] > r.exploding_growth * np.median(history):
-                    exploded.append((steps[i], layer, norm[i], np.median(history)))
-                    break
-        if exploded:
-            step, layer, norm, median = min(exploded, key=lambda e: e[0])  # earliest, then nearest the input
-            others = [e[1] for e in exploded if e[1] != layer]
-            out.append(_finding("critical", "exploding_gradients", run, layer, step,
-                                f"gradient norm rose to {norm:.3g} from a median of {median:.3g} before step "
-                                f"{step}" + (f"; also in {', '.join(others)}" if others else ""),
-                                np.log10(norm / max(median, 1e-30)), "param_grad"))
+        steps, depth, norm, rms = _layer_norms(g)
+        loss = None if scalars is None else scalars.filter((pl.col("run") == run) & (pl.col("name") == "loss"))
+        explosions = [f for f in (_exploding(run, steps, depth, norm, loss, r),
+                                  _runaway_updates(run, params.filter(pl.col("run") == run), loss, r)) if f]
+        out += [f for f in [_vanishing(run, steps, depth, norm, rms, r)] if f]
+        if explosions:  # the earliest sign of one explosion, the most severe first on a tie
+            out.append(min(explosions, key=lambda f: (f.step, SEVERITY_RANK[f.severity])))
     return out
 
 
@@ -257,7 +412,9 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
         out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
                             f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
                             f"{first['nan_count']} NaN, {first['inf_count']} Inf){spread}; "
-                            f"{g.height} readings affected", g.height, first["stream"]))
+                            f"{g.height} readings affected", score=g.height, stream=first["stream"],
+                            value=first["nan_count"] + first["inf_count"], threshold=0, first=first["step"],
+                            last=g["step"].max(), index=first["layer_index"]))
     acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())
@@ -265,11 +422,12 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
         if changed.height:
             out.append(_finding("warning", "probe_changed", run, changed["layer"][0], changed["step"][0],
                                 f"probe fingerprint changed from {fps['probe_fingerprint'][0]} to "
-                                f"{changed['probe_fingerprint'][0]}"))
+                                f"{changed['probe_fingerprint'][0]}", first=changed["step"][0], last=g["step"].max()))
         train = g.filter(pl.col("mode") == "train")
         if train.height:
             out.append(_finding("warning", "train_mode", run, train["layer"][0], train["step"][0],
-                                f"{train.height} activation readings taken in train mode"))
+                                f"{train.height} activation readings taken in train mode", value=train.height,
+                                first=train["step"][0], last=train["step"].max()))
     return out
 
 
@@ -281,35 +439,53 @@ def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
         steps = g["step"].unique().sort()
         out.append(_finding("info", "scaler_skipped", run, g["layer"][0], steps[0],
                             f"{steps.len()} step(s) skipped by the loss scaler for non-finite gradients, "
-                            f"first at step {steps[0]}", 0.0, "param_grad"))
+                            f"first at step {steps[0]}", stream="param_grad", value=steps.len(),
+                            first=steps[0], last=steps[-1]))
     return out
 
 
 def status_findings(runs: list[dict]) -> list[Finding]:
-    """A run whose trace says it did not finish (metadata `status`: `running` left by a writer
-    that never closed, or `failed: TYPE`)."""
+    """A run whose trace says it did not finish cleanly (metadata `status`, spec §File metadata): never
+    closed (`running`), ended by an exception, stopped by a signal, or closed without a stream its
+    producer set out to record. Each is critical: a gate must not pass a crashed run."""
     out = []
     for meta in runs:
-        status = meta.get("status", "")
+        status, run, file = meta.get("status", ""), meta.get("run_name"), meta["file"]
         if status == "running":
-            out.append(_finding("warning", "run_unfinished", meta.get("run_name"), "-", -1,
-                                f"{meta['file']} was not closed (status running)"))
+            out.append(_finding("critical", "run_unfinished", run, "-", -1, f"{file} was not closed (status running)"))
         elif status.startswith("failed"):
-            out.append(_finding("warning", "run_failed", meta.get("run_name"), "-", -1,
-                                f"the run ended with an exception ({status})"))
+            out.append(_finding("critical", "run_failed", run, "-", -1, f"the run ended with an exception ({status})"))
+        elif status in ("interrupted", "terminated"):
+            out.append(_finding("critical", "run_stopped", run, "-", -1, f"the run was {status} before it finished"))
+        elif status.startswith("incomplete"):
+            out.append(_finding("critical", "stream_missing", run, "-", -1, f"the run closed {status}"))
     return out
 
 
 def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = (),
-             th: Thresholds = Thresholds()) -> list[Finding]:
-    """All findings over a metrics frame (computed at thresholds `th`), most urgent first."""
+             th: Thresholds = Thresholds(), scalars: pl.DataFrame | None = None) -> list[Finding]:
+    """All findings over a metrics frame (computed at thresholds `th`) and the runs' logged scalars
+    (the loss), most urgent first."""
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
     m = m.filter(~skipped)
-    found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules)
+    found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
     found += status_findings(list(runs))
     # a NaN first: nothing else in a NaN run can be trusted
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
+
+
+FINDING_COLUMNS = ["severity", "rule", "run", "layer", "layer_index", "stream", "step", "first_step", "last_step",
+                   "value", "threshold", "evidence", "advice", "score"]
+FINDING_SCHEMA = {"severity": pl.String, "rule": pl.String, "run": pl.String, "layer": pl.String,
+                  "layer_index": pl.Int64, "stream": pl.String, "step": pl.Int64, "first_step": pl.Int64,
+                  "last_step": pl.Int64, "value": pl.Float64, "threshold": pl.Float64, "evidence": pl.String,
+                  "advice": pl.String, "score": pl.Float64}
+
+
+def findings_frame(found: list[Finding]) -> pl.DataFrame:
+    """The findings as a Polars frame (FINDING_COLUMNS), most urgent first: numbers as numbers."""
+    return pl.DataFrame([{k: f.as_dict()[k] for k in FINDING_COLUMNS} for f in found], schema=FINDING_SCHEMA)
 
 
 @dataclass

@@ -22,10 +22,10 @@ from actrace.reader import TraceError, read_source, trace_sources
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
-EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "mode", "probe_fingerprint"]
+EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
-         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts"]
+         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value"]
 _TOL = 1e-12
 
 
@@ -156,7 +156,7 @@ def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.Lazy
         (pl.col("pinned_units") / pl.col("units")).alias("saturation_unit"), *moments(), "min", "max",
         l2_norm(pl.col("sumsq"), pl.col("nan_count") + pl.col("inf_count")).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
-        "nan_count", "inf_count",
+        "nan_count", "inf_count", _finite_n().alias("values"),
     )
 
 
@@ -177,7 +177,7 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
         (pl.col("update_norm").pow(2).sum().sqrt()
          / l2_norm(pl.col("sumsq").sum(), (pl.col("nan_count") + pl.col("inf_count")).sum())).alias("update_ratio"),
         pl.col("update_norm").is_not_null().any().alias("_has_update"),
-        pl.col("nan_count").sum(), pl.col("inf_count").sum(),
+        pl.col("nan_count").sum(), pl.col("inf_count").sum(), n.sum().alias("values"),
     ).with_columns(pl.when(pl.col("_has_update")).then(pl.col("update_ratio")).alias("update_ratio")
                    ).drop("_has_update")
 
@@ -224,6 +224,12 @@ def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
         pl.when(pl.col("stream").is_in(["param_grad", "activation_grad"])).then(pl.col("norm"))
         .alias("grad_norm"))
     return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "step").collect()
+
+
+def scalars(rows: pl.DataFrame) -> pl.DataFrame:
+    """The training loop's logged values (spec §Streams, `scalar`): run, step, name, value."""
+    return (rows.filter(pl.col("stream") == "scalar").select("run", "step", pl.col("layer").alias("name"), "value")
+            .sort("run", "name", "step"))
 
 
 def last_reading(df: pl.DataFrame, *keys: str) -> pl.DataFrame:

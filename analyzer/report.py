@@ -156,6 +156,18 @@ def _recurrent(acts: pl.DataFrame) -> pl.DataFrame:
                                             "saturation_unit"))
 
 
+def _loss_marks(analysis: Analysis) -> tuple[pl.DataFrame, pl.DataFrame] | None:
+    """The runs' logged loss (finite values, thinned) and their findings placed on it, or None."""
+    loss = analysis.scalars.filter((pl.col("name") == "loss") & pl.col("value").is_finite()).select(
+        "run", "step", "value")
+    if not loss.height:
+        return None
+    found = analysis.findings_frame.filter(pl.col("severity").is_in(["critical", "warning"]) & (pl.col("step") >= 0))
+    marks = found.select("run", "rule", "layer", "step", "severity", "evidence").sort("run", "step").join_asof(
+        loss.sort("run", "step"), on="step", by="run", strategy="nearest", check_sortedness=False).drop_nulls("value")
+    return _compact(_thin_steps(loss, 4 * MAX_TREND_STEPS)), _compact(marks)
+
+
 def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, progress=lambda msg: None) -> Path:
     """Write the report of an analysis to `out`, runs compared with `baseline` (default: the first)."""
     import altair as alt
@@ -189,6 +201,13 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
         sections.append(f"<h2>{html.escape(title)}</h2><p class='muted'>{note}</p>"
                         f"<div id='{chart_id}' class='chart'></div>")
 
+    progress("drawing the loss")
+    loss = _loss_marks(analysis)
+    if loss is not None:
+        section("Loss and findings", "The training loss each run logged (`monitor.log(step, loss=...)`, or its "
+                "trainer's), with every finding marked at the step it starts: a gradient norm that grows while the "
+                "loss falls is a net learning; one that grows while the loss rises is not.", "loss",
+                charts.loss_with_findings(*loss))
     progress("drawing heatmaps")
     if heat.height:
         section("Layers × steps", "Per run (menu): dead fraction, saturated share of values and gradient norm "

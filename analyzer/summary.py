@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from .findings import Finding, group
+from .findings import Finding, findings_frame, group
 from .metrics import METRIC_COLUMNS, last_reading
 
 
@@ -69,15 +69,9 @@ def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
     return "\n".join(lines)
 
 
-FINDING_COLUMNS = ["severity", "rule", "run", "layer", "stream", "step", "evidence", "advice", "score"]
-
-
 def machine_findings(found: list[Finding], fmt: str) -> str:
     """The findings, most urgent first, as CSV or a JSON array of records (FINDING_COLUMNS)."""
-    table = pl.DataFrame([f.as_dict() for f in found],
-                         schema={"severity": pl.String, "rule": pl.String, "run": pl.String, "layer": pl.String,
-                                 "step": pl.Int64, "evidence": pl.String, "advice": pl.String,
-                                 "score": pl.Float64, "stream": pl.String}).select(FINDING_COLUMNS)
+    table = findings_frame(found)
     return table.write_csv() if fmt == "csv" else table.write_json()
 
 

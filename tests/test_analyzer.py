@@ -22,8 +22,14 @@ def runs(tmp_path_factory):
     write_run(d / "dying.parquet", "dying", dead=lambda s: s // 25)          # 0 → 20 of 32 units
     write_run(d / "stable.parquet", "stable", dead=lambda s: 24)             # 75 % dead all along
     write_run(d / "saturating.parquet", "saturating", tanh_bias=lambda s: 6.0 if s >= 300 else 0.0)
-    write_run(d / "vanishing.parquet", "vanishing", grad_scale=lambda s, i: 10.0 ** (-8 + i))
-    write_run(d / "exploding.parquet", "exploding", grad_scale=lambda s, i: 0.5 * 4 ** (s / 100))
+    long = range(0, 2000, 100)  # trend rules need their readings: 20 of them
+    write_run(d / "vanishing.parquet", "vanishing", steps=long, grad_scale=lambda s, i: 10.0 ** (-8 + i))
+    # gradients flat until step 1000, then ×4 per reading; the loss falls until then, then rises
+    write_run(d / "exploding.parquet", "exploding", steps=long, grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10),
+              loss=lambda s: 2.0 - s / 2000 if s < 1000 else 1.5 + (s - 1000) / 200)
+    # a net leaving its plateau: gradients 30× larger from step 300 to 600, the loss falling throughout
+    write_run(d / "plateau.parquet", "plateau", steps=long, grad_scale=lambda s, i: 0.05 * 30 ** min(max(s - 300, 0) / 300, 1),
+              loss=lambda s: 2.0 - s / 2000)
     write_run(d / "nan.parquet", "nan", nan_at=300)
     write_run(d / "probe.parquet", "probe", fingerprint=lambda s: "aaaa" if s < 200 else "bbbb")
     write_run(d / "trainmode.parquet", "trainmode", mode="train")
@@ -60,7 +66,9 @@ def test_growing_dead_fraction_is_found_and_ranks_above_a_larger_stable_one(runs
     rules = [(f.rule, f.run, f.layer) for f in found]
     assert rules.index(("dead_growing", "dying", "block2.relu")) < rules.index(("dead_high", "stable", "block2.relu"))
     growing = next(f for f in found if f.rule == "dead_growing")
-    assert growing.severity == "critical" and "0% at step 0, 62% at step 500" in growing.evidence and growing.step > 0
+    # the evidence quotes the numbers the rule tested; the finding starts where the rise starts
+    assert growing.severity == "critical" and "rose from 0% at step 0 to 62% at step 500" in growing.evidence
+    assert growing.step == 0 and (growing.first_step, growing.last_step) == (300, 500) and growing.value >= 0.15
 
 
 def test_saturation_spike_names_the_step(runs):
@@ -68,14 +76,31 @@ def test_saturation_spike_names_the_step(runs):
     assert (f.rule, f.layer, f.step) == ("saturation_spike", "head.tanh", 300)
 
 
-def test_vanishing_gradients_point_at_the_earliest_layer(runs):
+def analysis_of(path):
+    from actrace.analyzer import analyze
+
+    return analyze(path)
+
+
+def test_vanishing_gradients_point_at_the_earliest_layer_and_quote_the_layers_compared(runs):
     found = _by_run(findings(metrics(runs / "vanishing.parquet")), "vanishing")
     assert [(f.rule, f.layer, f.step) for f in found] == [("vanishing_gradients", "block0.relu", 0)]
+    # the first quarter of 7 layers (block0) against the last (head.tanh), both named in the evidence
+    assert "in block0.relu vs" in found[0].evidence and "in head.tanh at step 1900" in found[0].evidence
 
 
-def test_exploding_gradients_are_found_when_above_one_and_growing(runs):
-    found = [f for f in findings(metrics(runs / "exploding.parquet")) if f.rule == "exploding_gradients"]
-    assert found and all(f.step >= 200 for f in found)
+def test_gradients_growing_while_the_loss_rises_explode_and_a_plateau_left_while_it_falls_does_not(runs):
+    (f,) = [f for f in analysis_of(runs / "exploding.parquet").findings if f.rule == "exploding_gradients"]
+    assert f.severity == "critical" and 1000 <= f.step <= 1200 and "the loss rose: its median" in f.evidence
+    assert f.value >= 10 and f.threshold == 10
+    assert [f.rule for f in analysis_of(runs / "plateau.parquet").findings] == []
+
+
+def test_without_a_logged_loss_growth_must_be_larger_and_is_only_a_warning(runs, tmp_path):
+    write_run(tmp_path / "e.parquet", "e", steps=range(0, 2000, 100),
+              grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
+    (f,) = [f for f in analysis_of(tmp_path / "e.parquet").findings if f.rule == "exploding_gradients"]
+    assert f.severity == "warning" and "no loss was logged" in f.evidence and f.value >= 100
 
 
 def test_nan_reports_first_step_and_layer(runs):

@@ -22,7 +22,7 @@ from actrace.validate import validate
 
 
 def probe_reading(model, probe, path):
-    with Monitor(model, probe, path) as mon:
+    with Monitor(model, probe, path, grad_every=None) as mon:
         mon.probe_reading(0)
     return path
 

@@ -16,8 +16,9 @@ def relu_layer(rng, units: int, dead: int, batch: int = 128) -> np.ndarray:
 
 def write_run(path, run: str, *, steps=range(0, 600, 100), dead=lambda step: 0, tanh_bias=lambda step: 0.0,
               grad_scale=lambda step, depth: 0.1, nan_at=None, fingerprint=lambda step: "feedc0de",
-              mode="eval", layer_names=None, depth: int = 6) -> None:
-    """A run of `depth` ReLU layers then one tanh layer, with parameter gradients per layer."""
+              mode="eval", layer_names=None, depth: int = 6, loss=None) -> None:
+    """A run of `depth` ReLU layers then one tanh layer, with parameter gradients per layer, and
+    `loss(step)` logged when given."""
     rng = np.random.default_rng(RNG_SEED)
     names = layer_names or [f"block{i}.relu" for i in range(depth)] + ["head.tanh"]
     with actrace.Writer(path, run=run, overwrite=True, mode=mode) as w:
@@ -32,3 +33,5 @@ def write_run(path, run: str, *, steps=range(0, 600, 100), dead=lambda step: 0, 
             t = np.tanh(rng.normal(size=(128, 16)) * 0.5 + tanh_bias(step)).astype(np.float32)
             w.record_activation(step, names[-1], t, kind="tanh", probe_fingerprint=fingerprint(step))
             w.record_param_grad(step, names[-1], "weight", rng.normal(size=(16, 32)) * 0.1 / 16, kind="tanh")
+            if loss is not None:
+                w.log(step, loss=loss(step))

@@ -1,0 +1,315 @@
+"""The labelled corpus that scores the findings rules (bench/bench_findings.py, tests/test_findings_corpus.py).
+
+Healthy runs really train (their loss falls): eight families (MLP, CNN with BatchNorm, LSTM, a
+hand-written transformer, and Hugging Face BERT, GPT-2, ViT and Llama from tiny configs), three
+optimizers, warmup + cosine schedules, gradient clipping, nets that leave an initial plateau, ReLU
+nets with a few units dead from the start. Pathological runs get one pathology injected at a known
+step and layer (`Case.inject`), and name the rules that must find it there (`Case.rules`,
+`Case.layers`, `Case.at`). Every run logs its loss and learning rate, so lead times are measured
+against the loss. Small on purpose: the whole corpus trains in a few minutes on two cores.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEPS, PROBE_EVERY, BATCH = 200, 20, 32
+VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # a trace of another corpus is trained again
+VOCAB, SEQ, CLASSES = 24, 16, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of the corpus. A pathological case names what must find it: one of `rules`, at a
+    layer matching one of `layers` (glob patterns), at step `at` (± one probe reading); `window`
+    instead accepts any step from `at` until the loss diverges, ± one reading (an explosion has no
+    one step)."""
+
+    name: str
+    family: str
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    schedule: str = "constant"       # or "warmup-cosine"
+    clip: float | None = None
+    seed: int = 0
+    model: dict = field(default_factory=dict)   # the family's builder options
+    inject: tuple = ()                          # (what, step, options): see `_inject`
+    rules: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ("*",)
+    at: int | None = None
+    window: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.rules
+
+
+def _healthy() -> list[Case]:
+    cases = []
+    for act in ("relu", "gelu", "tanh", "sigmoid"):
+        depth, scale = (2, 4) if act == "sigmoid" else (3, 1)  # a sigmoid net's gradients are 4x smaller
+        for opt, lr, sched in (("adam", 1e-3, "constant"), ("sgdm", 0.05, "constant"), ("adamw", 3e-3, "warmup-cosine")):
+            cases.append(Case(f"mlp-{act}-{opt}", "mlp", opt, lr * scale, sched, model=dict(act=act, depth=depth)))
+    cases += [Case("mlp-relu-adam-3e-3", "mlp", "adam", 3e-3, model=dict(act="relu"), seed=5),
+              Case("mlp-gelu-adam-1e-2", "mlp", "adam", 1e-2, model=dict(act="gelu")),
+              Case("mlp-tanh-adam-1e-2", "mlp", "adam", 1e-2, model=dict(act="tanh")),
+              # small init: a plateau the net leaves, its gradient norm rising tenfold as the loss falls
+              Case("mlp-plateau-gelu", "mlp", "adam", 3e-3, model=dict(act="gelu", depth=4, init=0.3), seed=1),
+              Case("mlp-plateau-tanh", "mlp", "adam", 3e-3, model=dict(act="tanh", depth=4, init=0.3), seed=2),
+              Case("mlp-plateau-tanh-sgd", "mlp", "sgdm", 0.1, model=dict(act="tanh", depth=4, init=0.7), seed=2),
+              # a few units dead from initialization: ordinary attrition, not a pathology
+              Case("mlp-relu-few-dead", "mlp", "adam", 1e-3, model=dict(act="relu", dead_at_init=3)),
+              Case("mlp-relu-few-dead-sgd", "mlp", "sgdm", 0.05, model=dict(act="relu", dead_at_init=2), seed=3),
+              Case("mlp-relu-clip", "mlp", "sgdm", 0.1, clip=1.0, seed=4)]
+    cases += [Case("cnn-bn-sgdm", "cnn", "sgdm", 0.05), Case("cnn-bn-adam", "cnn", "adam", 1e-3),
+              Case("cnn-bn-adamw-cosine", "cnn", "adamw", 3e-3, "warmup-cosine"),
+              Case("cnn-bn-sgdm-clip", "cnn", "sgdm", 0.1, clip=1.0, seed=1)]
+    cases += [Case("lstm-adam", "lstm", "adam", 3e-3), Case("lstm-adamw-clip", "lstm", "adamw", 3e-3, clip=1.0),
+              Case("lstm-sgdm-clip", "lstm", "sgdm", 0.5, clip=1.0, seed=1)]
+    cases += [Case("transformer-adamw-cosine", "transformer", "adamw", 1e-3, "warmup-cosine"),
+              Case("transformer-adam", "transformer", "adam", 1e-3, seed=1),
+              Case("transformer-prenorm-clip", "transformer", "adamw", 2e-3, clip=1.0, model=dict(norm_first=True))]
+    for family in ("bert", "gpt2", "vit", "llama"):
+        cases += [Case(f"{family}-adamw-cosine", family, "adamw", 2e-3, "warmup-cosine"),
+                  Case(f"{family}-adam", family, "adam", 1e-3, seed=1),
+                  Case(f"{family}-adamw-clip", family, "adamw", 3e-3, clip=1.0, seed=2)]
+    return cases
+
+
+K = 100  # the step pathologies are injected at, mid-run
+PATHOLOGICAL = [
+    Case("kill-relu2", "mlp", inject=("bias", K, dict(module="fc2", value=-100.0)),
+         rules=("dead_growing", "dead_high"), layers=("relu2",), at=K),
+    Case("kill-half-relu1", "mlp", "sgdm", 0.05, inject=("bias", K, dict(module="fc1", value=-100.0, units=32)),
+         rules=("dead_growing", "dead_high"), layers=("relu1",), at=K, seed=1),
+    Case("kill-bert-ffn", "bert", "adamw", 2e-3, inject=("bias", K, dict(
+        module="bert.encoder.layer.1.intermediate.dense", value=-1e4, units=40)),
+         rules=("dead_growing", "dead_high"), layers=("*layer.1.intermediate*",), at=K),
+    Case("dying-relu-lr", "mlp", inject=("lr", K, dict(module="fc2", factor=300.0)),
+         rules=("dead_growing", "dead_high"), layers=("relu2", "relu3"), at=K),
+    Case("saturate-tanh2", "mlp", model=dict(act="tanh"), inject=("bias", K, dict(module="fc2", value=6.0, add=True)),
+         rules=("saturation_high", "saturation_spike", "units_pinned"), layers=("tanh2",), at=K),
+    Case("lstm-forget-pinned", "lstm", "adam", 3e-3, inject=("bias", K, dict(module="lstm", value=12.0, gate=1)),
+         rules=("saturation_high", "saturation_spike", "units_pinned"), layers=("lstm.l0.forget_gate",), at=K),
+    Case("vanishing-deep-sigmoid", "mlp", "sgdm", 0.05, model=dict(act="sigmoid", depth=12, width=32),
+         rules=("vanishing_gradients",), layers=("fc1", "fc2", "fc3"), at=0),
+    Case("vanishing-shrunk", "mlp", "sgdm", 0.05, model=dict(act="tanh", depth=8, width=32),
+         inject=("scale", K, dict(modules=[f"fc{i}" for i in range(2, 9)], factor=0.05)),
+         rules=("vanishing_gradients",), layers=("fc1", "fc2"), at=K),
+    # an LR ramp without clipping: in an MLP without normalization, in BERT and in GPT-2
+    Case("exploding-unnormalized-mlp", "mlp", "sgdm", 0.02, model=dict(act="gelu"), inject=("ramp", K, dict(rate=1.06)),
+         rules=("exploding_gradients", "nan_inf"), at=K, window=True),
+    Case("exploding-bert-ramp", "bert", "sgdm", 0.05, inject=("ramp", K, dict(rate=1.08)),
+         rules=("exploding_gradients", "nan_inf"), at=K, window=True),
+    Case("exploding-gpt2-ramp", "gpt2", "sgdm", 0.05, inject=("ramp", K, dict(rate=1.08)),
+         rules=("exploding_gradients", "nan_inf"), at=K, window=True),
+    Case("nan-planted-fc2", "mlp", inject=("nan", K + 7, dict(module="fc2")), rules=("nan_inf",), layers=("fc2",),
+         at=K + 7),
+    Case("inf-planted-cnn", "cnn", "sgdm", 0.05, inject=("nan", K + 3, dict(module="conv2", value=math.inf)),
+         rules=("nan_inf",), layers=("conv2",), at=K + 3),
+    Case("nan-planted-gpt2", "gpt2", "adamw", 2e-3, inject=("nan", K + 11, dict(module="transformer.h.1.mlp.c_fc")),
+         rules=("nan_inf",), layers=("transformer.h.1.mlp.c_fc",), at=K + 11),
+    Case("dead-then-diverge", "mlp", "adam", 1e-3, inject=("ramp", 60, dict(rate=1.05)),
+         rules=("dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
+]
+CASES = _healthy() + PATHOLOGICAL
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+def _tasks(torch, family: str, g):
+    """batch(n) → (inputs, targets) and a fixed probe for a family's task: tabular classes from a
+    random teacher, images from class templates, token sequences from one of four Markov chains
+    (classified), or from one chain (next token)."""
+    if family in ("mlp",):
+        teacher = torch.randn(32, 16, generator=g), torch.randn(16, CLASSES, generator=g)
+
+        def batch(n):
+            x = torch.randn(n, 32, generator=g)
+            return x, (torch.tanh(x @ teacher[0]) @ teacher[1]).argmax(1)
+    elif family in ("cnn", "vit"):
+        templates = torch.randn(CLASSES, 1, 16, 16, generator=g)
+
+        def batch(n):
+            y = torch.randint(0, CLASSES, (n,), generator=g)
+            return templates[y] + 1.5 * torch.randn(n, 1, 16, 16, generator=g), y
+    else:
+        chains = torch.softmax(3 * torch.randn(CLASSES, VOCAB, VOCAB, generator=g), -1)
+        lm = family in ("gpt2", "llama")
+
+        def batch(n):
+            y = torch.zeros(n, dtype=torch.long) if lm else torch.randint(0, CLASSES, (n,), generator=g)
+            tokens = [torch.randint(0, VOCAB, (n,), generator=g)]
+            for _ in range(SEQ - 1):
+                tokens.append(torch.multinomial(chains[y, tokens[-1]], 1, generator=g).squeeze(1))
+            x = torch.stack(tokens, 1)
+            return (x, x) if lm else (x, y)
+    return batch, batch(64)[0]
+
+
+# -- models -------------------------------------------------------------------------------------
+
+def build(torch, case: Case):
+    """The model of a case's family, with its options."""
+    nn, o = torch.nn, case.model
+    if case.family == "mlp":
+        act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[o.get("act", "relu")]
+        depth, width, layers, inp = o.get("depth", 3), o.get("width", 64), [], 32
+        names = []
+        for i in range(1, depth + 1):
+            names += [(f"fc{i}", nn.Linear(inp, width)), (f"{o.get('act', 'relu')}{i}", act())]
+            inp = width
+        model = nn.Sequential(OrderedDict(names + [("head", nn.Linear(width, CLASSES))]))
+        with torch.no_grad():
+            for m in model:
+                if isinstance(m, nn.Linear):
+                    m.weight.mul_(o.get("init", 1.0))
+            if o.get("dead_at_init"):
+                model.fc1.bias[: o["dead_at_init"]] = -30.0
+        return model
+    if case.family == "cnn":
+        return nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 8, 3, padding=1), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(),
+                                  conv2=nn.Conv2d(8, 16, 3, stride=2, padding=1), bn2=nn.BatchNorm2d(16),
+                                  relu2=nn.ReLU(), pool=nn.AdaptiveAvgPool2d(1), flat=nn.Flatten(),
+                                  head=nn.Linear(16, CLASSES)))
+    if case.family == "lstm":
+        class Tagger(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.lstm, self.head = nn.Embedding(VOCAB, 16), nn.LSTM(16, 32, batch_first=True), \
+                    nn.Linear(32, CLASSES)
+
+            def forward(self, x):
+                return self.head(self.lstm(self.emb(x))[0][:, -1])
+        return Tagger()
+    if case.family == "transformer":
+        class Encoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.pos = nn.Embedding(VOCAB, 32), nn.Parameter(0.02 * torch.randn(SEQ, 32))
+                layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.1, batch_first=True,
+                                                   norm_first=o.get("norm_first", False))
+                self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+                self.head = nn.Linear(32, CLASSES)
+
+            def forward(self, x):
+                return self.head(self.encoder(self.emb(x) + self.pos).mean(1))
+        return Encoder()
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()  # tiny vocabularies: GPT-2's default special-token ids are out of range
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    if case.family == "bert":
+        return tf.BertForSequenceClassification(tf.BertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                                              num_labels=CLASSES, **small))
+    if case.family == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    if case.family == "vit":
+        return tf.ViTForImageClassification(tf.ViTConfig(image_size=16, patch_size=4, num_channels=1,
+                                                         num_labels=CLASSES, **small))
+    if case.family == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                                  num_key_value_heads=2, **small))
+    raise ValueError(f"unknown family {case.family!r}")
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def loss_of(torch, case: Case, model, x, y):
+    logits = _logits(model(x))
+    if case.family in ("gpt2", "llama"):  # next token
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+def _optimizer(torch, case: Case, model):
+    """One parameter group per top-level module, so an injection can change one layer's rate (a
+    parameter tied into two modules, GPT-2's embedding and head, in the first)."""
+    seen, groups = set(), []
+    for name, module in [*model.named_children(), ("", model)]:
+        params = [p for p in (module.parameters() if name else model.parameters(recurse=False)) if id(p) not in seen]
+        seen |= {id(p) for p in params}
+        groups += [{"params": params, "name": name}] if params else []
+    if case.optimizer == "sgdm":
+        return torch.optim.SGD(groups, lr=case.lr, momentum=0.9)
+    return (torch.optim.AdamW if case.optimizer == "adamw" else torch.optim.Adam)(groups, lr=case.lr)
+
+
+def _schedule(case: Case, step: int) -> float:
+    if case.schedule == "warmup-cosine":
+        warm = STEPS // 10
+        return (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (STEPS - warm)))
+    return 1.0
+
+
+def _inject(torch, case: Case, step: int, model, opt, base_lrs) -> None:
+    """Apply the case's pathology at its step (and, for a ramp, every step after)."""
+    if not case.inject:
+        return
+    what, at, o = case.inject
+    if step < at or (step > at and what != "ramp"):
+        return
+    with torch.no_grad():
+        if what == "bias":
+            module = model.get_submodule(o["module"])
+            bias = getattr(module, "bias", None) if "gate" not in o else module.bias_ih_l0
+            rows = slice(0, o.get("units")) if "gate" not in o else \
+                slice(o["gate"] * module.hidden_size, (o["gate"] + 1) * module.hidden_size)
+            bias[rows] = bias[rows] + o["value"] if o.get("add") or "gate" in o else o["value"]
+        elif what == "scale":
+            for name in o["modules"]:
+                model.get_submodule(name).weight.mul_(o["factor"])
+        elif what == "nan":
+            model.get_submodule(o["module"]).weight.view(-1)[0] = o.get("value", math.nan)
+        elif what == "lr":
+            for i, group in enumerate(opt.param_groups):
+                if group["name"] == o["module"]:
+                    base_lrs[i] *= o["factor"]
+        elif what == "ramp":
+            for i in range(len(base_lrs)):
+                base_lrs[i] *= o["rate"]
+
+
+def train(case: Case, out: Path) -> Path:
+    """Train one case, recording it with the PyTorch Monitor (loss and learning rate logged every
+    step); returns the trace's path."""
+    import torch
+
+    from actrace.adapters.torch import Monitor
+
+    torch.manual_seed(case.seed)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    batch, probe = _tasks(torch, case.family, g)
+    model = build(torch, case)
+    opt = _optimizer(torch, case, model)
+    base_lrs = [group["lr"] for group in opt.param_groups]
+    config = dict(corpus=VERSION, family=case.family, optimizer=case.optimizer, lr=case.lr, schedule=case.schedule, clip=case.clip,
+                  healthy=case.healthy, inject=list(case.inject[:2]) if case.inject else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitor(model, probe, out, run=case.name, probe_every=PROBE_EVERY, config=config,
+                     overwrite=True) as mon:
+            for step in range(STEPS + 1):
+                _inject(torch, case, step, model, opt, base_lrs)
+                for group, lr in zip(opt.param_groups, base_lrs):
+                    group["lr"] = lr * _schedule(case, step)
+                x, y = batch(BATCH)
+                model.train()
+                loss = loss_of(torch, case, model, x, y)
+                opt.zero_grad()
+                loss.backward()
+                mon.step(step)
+                mon.log(step, loss=loss, lr=opt.param_groups[0]["lr"])
+                if case.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+                opt.step()
+    return out
