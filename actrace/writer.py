@@ -201,6 +201,8 @@ class Writer:
         `layer_indexes`: each one's depth, else the order layers were first recorded."""
         if self.closed:
             raise RuntimeError(f"{self.path}: writer is closed")
+        if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
+            raise Terminated()
         kept = [i for i, r in enumerate(readings) if self._grows(step, r)]
         if len(kept) < len(readings):
             readings = [readings[i] for i in kept]

@@ -126,7 +126,7 @@ def _findings_html(found: list[Finding]) -> str:
             more = ", ".join(html.escape(f"{o.layer} (step {o.step})") for o in g.others)
             layer += f"<details><summary>+{len(g.others)} more layers</summary>{more}</details>"
         cells = [html.escape(str(v)) for v in (f.severity, f.rule, f.run)] + [layer] + \
-                [html.escape(str(v)) for v in (f.step, f.evidence, f.advice)]
+                [html.escape(str(v)) for v in (f.step if f.step >= 0 else "–", f.evidence, f.advice)]
         rows.append(f'<tr class="{f.severity}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{c}</th>" for c in ("severity", "rule", "run", "layer", "since step", "evidence",
                                              "what people usually do"))

@@ -23,7 +23,8 @@ def format_findings(found: list[Finding]) -> str:
     lines = [f"findings: {len(found)} in {len(groups)} group(s) of rule and run"]
     for g in groups:
         f = g.first
-        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {f.run} / {f.layer} since step {f.step}: {f.evidence}")
+        since = f" since step {f.step}" if f.step >= 0 else ""  # a run's status has no step
+        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {f.run} / {f.layer}{since}: {f.evidence}")
         if g.others:
             names = ", ".join(o.layer for o in g.others[:12]) + (", …" if len(g.others) > 12 else "")
             lines.append(f"  {'':<8} {'':<20} also {len(g.others)} more layer(s): {names}")

@@ -37,3 +37,7 @@ def test_every_readme_code_block_runs(tmp_path):
                                                                         "mlx-run.parquet", "lstm.parquet",
                                                                         "bert-hf.parquet", "lightning.parquet",
                                                                         "keras.parquet", "flax.parquet"}
+    # every quickstart's run passes the default gate: no critical finding, every run closed cleanly
+    gate = subprocess.run([sys.executable, "-m", "actrace.cli", "check", tmp_path / "runs"], capture_output=True,
+                          text=True, timeout=HUNG)
+    assert gate.returncode == 0, gate.stdout + gate.stderr

@@ -16,7 +16,7 @@ from torch import nn
 
 import actrace
 from actrace.adapters.torch import Monitor
-from actrace.analyzer.findings import Rules, findings
+from actrace.analyzer.findings import FINDING_COLUMNS, Rules, findings
 from actrace.analyzer.metrics import Thresholds, metrics
 from actrace.validate import validate
 
@@ -194,7 +194,7 @@ def test_findings_come_as_json_and_csv_records_with_the_texts_content(tmp_path, 
     (pinned,) = [r for r in records if r["rule"] == "units_pinned"]
     assert (pinned["layer"], pinned["stream"], pinned["severity"]) == ("1", "activation", "warning")
     csv = cli("findings", tmp_path / "bad.parquet", "--format", "csv").stdout.splitlines()
-    assert csv[0] == "severity,rule,run,layer,stream,step,evidence,advice,score" and len(csv) == len(records) + 1
+    assert csv[0] == ",".join(FINDING_COLUMNS) and len(csv) == len(records) + 1
     text = cli("findings", tmp_path / "bad.parquet").stdout
     assert pinned["evidence"] in text
 

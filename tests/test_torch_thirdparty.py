@@ -64,7 +64,7 @@ def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp
     path = tmp_path / "hf.parquet"
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no axis lost, no eval-mode doubt on these models
-        with Monitor(model, probe, path) as mon:
+        with Monitor(model, probe, path, grad_every=None) as mon:
             mon.probe_reading(0)
     t = actrace.read_table(path).to_pylist()
     acts = {r["layer"]: (r["kind"], r["units"]) for r in t if r["kind"] in ACTIVATIONS}

@@ -1,0 +1,163 @@
+"""`actrace check` as a CI gate: it fails what must fail (a crashed, stopped or unfinished run, a
+stream that never got a reading, a critical finding) and passes a healthy run; thresholds add to
+that gate, `--allow` accepts a rule; its answer comes as text, JSON and JUnit."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import actrace
+from actrace import metadata
+from conftest import HUNG
+from traces import write_run
+
+TRAIN = """
+import signal, sys, time, torch
+from torch import nn
+from actrace.adapters.torch import Monitor
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, however the test was started
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+mode = sys.argv[2]
+with Monitor(model, torch.randn(32, 8), sys.argv[1], probe_every=5, flush_every=int(sys.argv[3])) as mon:
+    for step in range(3000):  # ~30 s: a signal that goes missing fails the test rather than hanging it
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if mode != "no-step":
+            mon.step(step)
+        mon.log(step, loss=loss)
+        opt.step()
+        if step == 3:
+            print("ready", flush=True)
+        if mode == "raise" and step == 5:
+            raise RuntimeError("planted")
+        if mode == "no-step" and step == 20:
+            break
+        time.sleep(0.01)
+"""
+
+
+def train(tmp_path, mode: str, stop=None, flush_every=4096) -> tuple[subprocess.CompletedProcess, object]:
+    """Run the training script; `stop`: the signal sent once it has taken a few steps."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    out = tmp_path / f"{mode}.parquet"
+    proc = subprocess.Popen([sys.executable, "train.py", str(out), mode, str(flush_every)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if stop is not None:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        proc.send_signal(stop)
+    stdout, stderr = proc.communicate(timeout=HUNG)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
+
+
+# Python ends with SIGINT on an uncaught KeyboardInterrupt; SIGTERM ends in exit status 143 (128 + 15)
+@pytest.mark.parametrize("stop,status,code", [(signal.SIGTERM, "terminated", 143), (signal.SIGINT, "interrupted", -2)])
+def test_a_stopped_run_closes_its_trace_with_what_stopped_it_and_the_gate_fails_it(tmp_path, cli, stop, status, code):
+    res, out = train(tmp_path, "run", stop)
+    assert res.returncode == code, res.stderr[-2000:]
+    assert metadata.read(out)["status"] == status and not (tmp_path / "run.parquet.parts").exists()
+    steps = {r["step"] for r in actrace.read_table(out).to_pylist() if r["stream"] == "param_grad"}
+    assert max(steps) >= 3 and steps == set(range(max(steps) + 1))  # nothing lost: every buffered reading is there
+    gate = cli("check", out)
+    assert gate.returncode == 1 and "critical finding run_stopped" in gate.stdout and status in gate.stdout
+
+
+def test_a_failed_run_fails_the_gate_and_says_why(tmp_path, cli):
+    res, out = train(tmp_path, "raise")
+    assert res.returncode == 1 and "planted" in res.stderr
+    assert metadata.read(out)["status"] == "failed: RuntimeError"
+    gate = cli("check", out)
+    assert gate.returncode == 1 and "run_failed" in gate.stdout and "RuntimeError" in gate.stdout
+
+
+def test_a_run_killed_mid_way_fails_the_gate_as_unfinished(tmp_path, cli):
+    res, out = train(tmp_path, "run", signal.SIGKILL, flush_every=1)
+    assert res.returncode == -signal.SIGKILL
+    parts = tmp_path / "run.parquet.parts"
+    assert parts.is_dir() and metadata.read(next(parts.glob("part-*.parquet")))["status"] == "running"
+    gate = cli("check", parts)
+    assert gate.returncode == 1 and "run_unfinished" in gate.stdout
+
+
+def test_a_monitor_that_never_read_a_gradient_says_so_and_the_gate_fails_it(tmp_path, cli):
+    res, out = train(tmp_path, "no-step")
+    assert res.returncode == 0 and "step() was never called" in res.stderr
+    assert metadata.read(out)["status"] == "incomplete: no param_grad reading"
+    gate = cli("check", out, "--min-grad-norm", "1e-8")
+    assert gate.returncode == 1 and "stream_missing" in gate.stdout
+    assert "no param_grad reading to check --min-grad-norm against" in gate.stdout
+
+
+def test_step_called_after_zero_grad_is_said_at_the_step_and_at_close(tmp_path):
+    import torch
+    from torch import nn
+
+    from actrace.adapters.torch import Monitor
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(UserWarning) as said:
+        with Monitor(model, torch.randn(8, 4), tmp_path / "z.parquet") as mon:
+            for step in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+                model.zero_grad()  # set_to_none: step() finds no gradient
+                mon.step(step)
+    text = " ".join(str(w.message) for w in said)
+    assert "no gradient was read" in text and "before optimizer.zero_grad()" in text
+    assert metadata.read(tmp_path / "z.parquet")["status"] == "incomplete: no param_grad reading"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gate")
+    write_run(d / "healthy.parquet", "healthy")
+    write_run(d / "stable.parquet", "stable", dead=lambda s: 24)              # 75 % dead: a warning only
+    write_run(d / "nan.parquet", "nan", nan_at=300)                           # critical
+    return d
+
+
+def test_thresholds_add_to_the_default_gate_and_allow_accepts_a_rule(cli, runs):
+    assert cli("check", runs / "healthy.parquet").returncode == 0
+    assert cli("check", runs / "stable.parquet").returncode == 0  # dead_high is a warning
+    assert cli("check", runs / "stable.parquet", "--max-dead", "0.5").returncode == 1
+    nan = cli("check", runs / "nan.parquet", "--max-dead", "0.9")  # a threshold does not switch findings off
+    assert nan.returncode == 1 and "nan_inf" in nan.stdout
+    assert cli("check", runs / "nan.parquet", "--allow", "nan_inf").returncode == 0
+    assert cli("check", runs / "stable.parquet", "--fail-on", "warning").returncode == 1
+    bad = cli("check", runs / "nan.parquet", "--allow", "nan-inf")
+    assert bad.returncode == 2 and "--allow 'nan-inf' is not a rule" in bad.stderr
+
+
+def test_the_gate_answers_in_json_and_junit_with_numbers_as_numbers(cli, runs, tmp_path):
+    res = cli("check", runs / "healthy.parquet", runs / "stable.parquet", "--max-dead", "0.5", "--format", "json")
+    answer = json.loads(res.stdout)
+    assert res.returncode == 1 and answer["passed"] is False and answer["runs"] == ["healthy", "stable"]
+    (v,) = [v for v in answer["violations"] if v["layer"] == "block2.relu"]
+    assert (v["gate"], v["run"], v["value"], v["threshold"], v["step"]) == ("max_dead", "stable", 0.75, 0.5, 500)
+    res = cli("check", runs / "healthy.parquet", runs / "nan.parquet", "--max-dead", "0.5", "--format", "junit",
+              "-o", tmp_path / "junit.xml")
+    suites = ET.parse(tmp_path / "junit.xml").getroot()
+    cases = {(s.get("name"), c.get("name")): c.find("failure") is not None for s in suites for c in s}
+    assert cases == {("healthy", "findings"): False, ("healthy", "max_dead"): False,
+                     ("nan", "findings"): True, ("nan", "max_dead"): False}
+
+
+def test_findings_json_carries_numbers_and_the_python_api_gives_frames(cli, runs):
+    from actrace.analyzer import analyze
+
+    records = json.loads(cli("findings", runs / "stable.parquet", "--format", "json").stdout)
+    (dead,) = [r for r in records if r["rule"] == "dead_high" and r["layer"] == "block2.relu"]
+    assert (dead["value"], dead["threshold"], dead["first_step"], dead["last_step"], dead["layer_index"]) == \
+        (0.75, 0.2, 0, 500, 2)
+    a = analyze(runs / "stable.parquet")
+    frame = a.findings_frame
+    assert frame.filter(frame["rule"] == "dead_high")["value"].to_list() == [0.75]
+    assert a.metrics.height and frame.schema["step"].is_integer()
