@@ -46,6 +46,10 @@ def test_a_keras_cnn_is_read_with_its_fused_activation_and_nhwc_units(tmp_path, 
     m = metrics(out)
     conv = m.filter((pl.col("layer") == "conv2d") & (pl.col("stream") == "activation"))
     assert conv["step"].to_list() == [0, 2, 3] and set(conv["dead_fraction"]) == {3 / 8}
+    scalars = [r for r in actrace.read_table(out).to_pylist() if r["stream"] == "scalar"]
+    assert [r["step"] for r in scalars if r["layer"] == "loss"] == [0, 1, 2, 3]  # what fit logs, each batch
+    assert all(r["value"] > 0 for r in scalars if r["layer"] == "loss")
+    assert {round(r["value"], 6) for r in scalars if r["layer"] == "lr"} == {0.01}  # SGD's default rate
     grads = m.filter(pl.col("stream") == "param_grad")
     if backend == "torch":
         assert sorted(set(grads["step"])) == [0, 1, 2, 3] and {"conv2d", "dense"} <= set(grads["layer"])
