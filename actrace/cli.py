@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from .reader import TraceError
+from .schema import shown
 
 EXAMPLES = """examples:
   actrace demo                                          # the main job on built-in data
@@ -22,7 +23,9 @@ EXAMPLES = """examples:
 """
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f, *range(0x80, 0xa0)] if chr(c) not in "\n\t"}
+# what a terminal must not receive raw from a trace: controls (but the line breaks and tabs of our own
+# text), line and paragraph separators, bidirectional controls
+_CONTROL = {ord(c): shown(c) for c in map(chr, range(0x2070)) if shown(c) != c and c not in "\n\t"}
 
 
 class Escaped:
@@ -60,7 +63,8 @@ def analysis(args):
     if unknown:
         raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
     progress("reading traces, computing metrics and findings")
-    a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x)
+    a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
+                skip_invalid=args.skip_invalid)
     if a.metrics.is_empty() and not a.findings:  # a run that never read its model may still have findings
         raise ValueError(f"no readings in {' '.join(args.paths)}")
     return a
@@ -134,16 +138,17 @@ def cmd_check(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validate import validate
+    from .reader import trace_sources
+    from .validate import validate_source
 
     n_bad = 0
-    for path in args.paths:
-        problems = validate(path)
+    for source in trace_sources(args.paths):  # a path that names nothing is a usage error: exit 2
+        problems = validate_source(source)
         for p in problems:
             print(p)
         n_bad += bool(problems)
         if not problems and not args.quiet:
-            print(f"{path}: valid")
+            print(f"{source}: valid")
     return 1 if n_bad else 0
 
 
@@ -293,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--x", choices=["step", "progress"], default="step",
                        help="align runs by step or by fraction of training")
         p.add_argument("--mapping", metavar="FILE", help="layer alignment: CSV run,layer,aligned or JSON")
+        p.add_argument("--skip-invalid", action="store_true",
+                       help="leave out traces that cannot be read or break the spec (each named), instead of stopping")
         p.set_defaults(func=func)
         return p
 

@@ -6,17 +6,22 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from .reader import part_files, read_source
+from .reader import TraceError, part_files, read_source
+from .schema import shown
+from .validate import metadata_problems, row_problems
+
+
+COLUMNS = ["layer", "layer_index", "kind", "units", "stream", "step", "param"]
 
 
 def describe(source: Path) -> dict:
-    """A JSON-ready summary of one trace source."""
-    table, meta = read_source(source, ["layer", "layer_index", "kind", "units", "stream", "step", "param"])
-    meta = dict(meta)
-    try:
-        meta["config"] = json.loads(meta.get("config") or "{}")
-    except json.JSONDecodeError:
-        pass
+    """A JSON-ready summary of one trace source, once what it reads is known to follow the spec."""
+    table, meta = read_source(source, COLUMNS)
+    problems = metadata_problems(meta, source) + row_problems(table, source, read=COLUMNS)
+    if problems:
+        more = f" (and {len(problems) - 1} more; `actrace validate {source}` lists them)" if len(problems) > 1 else ""
+        raise TraceError(f"{problems[0]}{more}")
+    meta = dict(meta, config=json.loads(meta.get("config") or "{}"))
     layers: dict[str, dict] = {}
     for row in table.select(["layer", "layer_index", "kind", "units", "stream"]).to_pylist():
         entry = layers.setdefault(row["layer"], {"layer": row["layer"], "index": row["layer_index"],
@@ -37,10 +42,10 @@ def describe(source: Path) -> dict:
 
 
 def format_description(d: dict) -> str:
-    """The human-readable form of `describe`'s result."""
-    m = d["metadata"]
+    """The human-readable form of `describe`'s result, every string from the trace `shown` (escaped)."""
+    m = {k: shown(v) if isinstance(v, str) else v for k, v in d["metadata"].items()}
     lines = [
-        f"{d['path']}  (spec {d['spec_version']}, {d['size_bytes'] / 1024:.1f} KiB, {d['readings']} readings)",
+        f"{shown(d['path'])}  (spec {d['spec_version']}, {d['size_bytes'] / 1024:.1f} KiB, {d['readings']} readings)",
         f"  run        {m.get('run_name')}  id {m.get('run_id')}",
         f"  framework  {m.get('framework')} {m.get('framework_version')}  via {m.get('adapter')} "
         f"{m.get('adapter_version')}",
@@ -53,6 +58,6 @@ def format_description(d: dict) -> str:
         f"  layers     {len(d['layers'])}",
     ]
     for l in d["layers"]:
-        lines.append(f"    {l['index']:>4}  {l['layer']:<40} {l['kind']:<11} "
+        lines.append(f"    {l['index']:>4}  {shown(l['layer']):<40} {shown(l['kind']):<11} "
                      f"{'' if l['units'] is None else str(l['units']) + ' units':<12} {','.join(l['streams'])}")
     return "\n".join(lines)

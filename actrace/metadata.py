@@ -46,10 +46,25 @@ def encode(meta: dict[str, str]) -> dict[str, str]:
     return {PREFIX + k: v for k, v in meta.items()}
 
 
+MAX_FOOTER = 16 * 2 ** 20  # bytes of Parquet metadata a reader parses: a trace's are KiB (spec §Validity)
+
+
 def open_file(path: Path) -> pq.ParquetFile:
     """One Parquet file of a trace, opened once: its footer read, its pages' CRC checksums verified
-    as they are read (a flipped bit is corruption, not a number)."""
+    as they are read (a flipped bit is corruption, not a number). A footer that declares more than
+    MAX_FOOTER bytes is refused before it is parsed: reading costs what the file holds, not what it
+    claims."""
     try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(size - 8, 0))
+            tail = f.read(8)
+        footer = int.from_bytes(tail[:4], "little")
+        if size < 12 or tail[4:] != b"PAR1":
+            raise TraceError(f"{path}: not a readable Parquet file (truncated, or not written as one)")
+        if footer > min(MAX_FOOTER, size - 12):
+            raise TraceError(f"{path}: its footer declares {footer} bytes of metadata "
+                             f"({'more than the file holds' if footer > size - 12 else 'over the 16 MiB a trace may hold'})")
         return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
@@ -63,8 +78,11 @@ def read(path: Path) -> dict[str, str]:
 def parse(schema: pa.Schema, path: Path) -> dict[str, str]:
     """The `actrace:` metadata of a file's schema (unprefixed), refusing a file of another major
     version with a message naming the version this actrace reads."""
-    raw = schema.metadata or {}
-    meta = {k.decode()[len(PREFIX):]: v.decode() for k, v in raw.items() if k.decode().startswith(PREFIX)}
+    try:
+        meta = {k.decode()[len(PREFIX):]: v.decode() for k, v in (schema.metadata or {}).items()
+                if k.startswith(PREFIX.encode())}
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: its metadata is not UTF-8 ({exc})") from None
     version = meta.get("spec_version")
     if version is None:
         raise TraceError(f"{path}: not an actrace trace (no '{PREFIX}spec_version' metadata)")

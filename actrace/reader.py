@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from . import metadata
 from .metadata import TraceError
-from .schema import SCHEMA, columns_absent_in
+from .schema import SCHEMA, schema_problems
 
 
 def expand(pattern) -> list[str]:
@@ -57,33 +57,73 @@ def part_files(source: Path) -> list[Path]:
 
 def known_columns(path: Path) -> list[str]:
     """The spec columns present in a file, in spec order (unknown columns are ignored)."""
-    names = set(pq.read_schema(path).names)
+    names = set(metadata.open_file(path).schema_arrow.names)
     return [f.name for f in SCHEMA if f.name in names]
+
+
+def checked(pf: pq.ParquetFile, path: Path) -> dict[str, str]:
+    """A part file's metadata, once its schema is known to hold every spec column (or, for those a
+    later minor version added, to lack them) in its type or one that casts losslessly: a missing or
+    retyped column is refused here, naming the file and the column, before anything computes."""
+    meta = metadata.parse(pf.schema_arrow, path)
+    problems = schema_problems(pf.schema_arrow, meta["spec_version"])  # every column: the footer says, cheaply
+    if problems:
+        column, problem = problems[0]
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise TraceError(f"{path}: column {column!r} {problem}{more}")
+    return meta
+
+
+def _read(pf: pq.ParquetFile, path: Path, columns: list[str]) -> pa.Table:
+    """The columns of one part file in the spec's types, strings checked to be UTF-8."""
+    try:
+        table = pf.read(columns=columns)
+        for name in table.column_names:
+            want = SCHEMA.field(name).type
+            if not table.schema.field(name).type.equals(want):
+                table = table.set_column(table.column_names.index(name), name, table[name].cast(want))
+            if pa.types.is_string(want):
+                table[name].validate(full=True)  # a flipped bit in a string page is not a name
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: cannot read: {exc}") from None
+    # the spec's fields, without whatever field metadata the file carried (not ours to trust)
+    return pa.Table.from_arrays(table.columns, schema=pa.schema([SCHEMA.field(n) for n in table.column_names]))
 
 
 def read_source(source: Path, columns: list[str] | None = None, *, when=None) -> tuple[pa.Table, dict[str, str]]:
     """One trace source as an Arrow table of spec columns, plus its file metadata. `when` is
     (names, needed): those columns are read from a file only where `needed(table of the other
-    columns)` is true, and are null elsewhere, so a reader pays for them only where they matter."""
+    columns)` is true, and are null elsewhere, so a reader pays for them only where they matter.
+    Every part file's schema is checked first (`checked`); the parts of a `.parts` directory must be
+    one run's; a directory compacted while it is read is read from its compacted trace."""
     lazy, needed = when or ((), None)
     want = [c for c in SCHEMA.names if columns is None or c in columns]
-    tables, meta = [], {}
-    for f in part_files(source):
-        pf = metadata.open_file(f)  # one footer read gives the metadata and the columns
-        meta, present = metadata.parse(pf.schema_arrow, f), set(pf.schema_arrow.names)
-        try:
-            table = pf.read(columns=[c for c in want if c in present and c not in lazy])
+    tables, meta, run_id = [], {}, None
+    try:
+        files = part_files(source)
+        for f in files:
+            pf = metadata.open_file(f)  # one footer read gives the metadata and the columns
+            meta = checked(pf, f)
+            if run_id is not None and meta.get("run_id") != run_id:
+                raise TraceError(f"{f}: a part of another run (run_id {meta.get('run_id')!r}, not {run_id!r}) "
+                                 f"in {source}")
+            run_id = meta.get("run_id")
+            present = set(pf.schema_arrow.names)
+            table = _read(pf, f, [c for c in want if c in present and c not in lazy])
             if lazy and needed(table):
-                extra = pf.read(columns=[c for c in want if c in present and c in lazy])
+                extra = _read(pf, f, [c for c in want if c in present and c in lazy])
                 for name in extra.column_names:
                     table = table.append_column(extra.schema.field(name), extra[name])
-        except (pa.ArrowException, OSError) as exc:
-            raise TraceError(f"{f}: cannot read: {exc}") from None
-        for name in want:  # not asked for here, or a column an older minor version lacks: null
-            if name not in table.column_names and (name in lazy or name in columns_absent_in(meta["spec_version"])):
-                table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
-        tables.append(table.select([c for c in want if c in table.column_names]))
-    return pa.concat_tables(tables, promote_options="permissive"), meta
+            for name in want:  # not asked for here, or a column an older minor version lacks: null
+                if name not in table.column_names:
+                    table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
+            tables.append(table.select(want))
+    except TraceError:
+        compacted = source.with_name(source.name.removesuffix(".parts"))
+        if source.name.endswith(".parts") and compacted.exists():
+            return read_source(compacted, columns, when=when)  # its writer closed it while we read
+        raise
+    return pa.concat_tables(tables), meta
 
 
 def read_table(paths, columns: list[str] | None = None) -> pa.Table:
@@ -102,7 +142,7 @@ def scan(paths, columns: list[str] | None = None):
     for source in trace_sources(paths):
         files = part_files(source)
         for f in files:
-            metadata.read(f)
+            checked(metadata.open_file(f), f)
         cols = [c for c in known_columns(files[0]) if columns is None or c in columns]
         frames.append(pl.scan_parquet([str(f) for f in files]).select(cols))
     if not frames:

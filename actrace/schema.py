@@ -5,6 +5,9 @@ checks that its column table and `SCHEMA` agree.
 """
 from __future__ import annotations
 
+import hashlib
+import re
+
 import pyarrow as pa
 
 SPEC_VERSION = "1.2"
@@ -60,6 +63,12 @@ _ACTIVATION_NAMES = {
 }
 ACTIVATION_KINDS = frozenset(_ACTIVATION_NAMES.values())
 RECTIFIED_KINDS = frozenset({"relu", "relu6", "clip"})
+
+# names (run, layer, param, run_name): at most MAX_NAME characters, none of these (spec §Validity):
+# controls, line and paragraph separators, bidirectional controls, which could fake or reorder what
+# a terminal or a page shows
+MAX_NAME = 256
+FORBIDDEN_IN_NAMES = "\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069"
 
 _f64_list = pa.list_(pa.float64())
 _f32_list = pa.list_(pa.float32())
@@ -134,3 +143,60 @@ def bounds_for(kind: str, bounds: tuple[float, float] | None = None) -> tuple[fl
     if kind not in KIND_BOUNDS:
         raise ValueError(f"unknown layer kind {kind!r}; expected one of {', '.join(KINDS)}")
     return tuple(bounds) if bounds is not None else KIND_BOUNDS[kind]
+
+
+def lossless(got: pa.DataType, want: pa.DataType) -> bool:
+    """Whether values of type `got` cast to `want` with nothing lost (spec §Validity: a column has
+    its type, or one that casts losslessly): a narrower integer or float, another string or list
+    encoding, a dictionary of strings."""
+    if got.equals(want):
+        return True
+    if pa.types.is_dictionary(got):
+        return lossless(got.value_type, want)
+    if pa.types.is_integer(want) and pa.types.is_integer(got):
+        return pa.types.is_signed_integer(want) >= pa.types.is_signed_integer(got) and \
+            got.bit_width + (pa.types.is_signed_integer(want) and not pa.types.is_signed_integer(got)) <= want.bit_width
+    if pa.types.is_floating(want) and pa.types.is_floating(got):
+        return got.bit_width <= want.bit_width
+    if pa.types.is_string(want):
+        return pa.types.is_large_string(got) or pa.types.is_string_view(got)
+    if pa.types.is_list(want) and (pa.types.is_list(got) or pa.types.is_large_list(got)
+                                   or pa.types.is_fixed_size_list(got) or pa.types.is_list_view(got)):
+        return lossless(got.value_type, want.value_type)
+    return False
+
+
+def schema_problems(schema: pa.Schema, version: str, columns=None) -> list[tuple[str, str]]:
+    """(column, problem) for each spec column a file of spec `version` lacks or holds in a type that
+    does not cast losslessly to the spec's; `columns`: only those (default every column)."""
+    absent = columns_absent_in(version)
+    out = []
+    for field in SCHEMA:
+        if columns is not None and field.name not in columns:
+            continue
+        i = schema.get_field_index(field.name)
+        if i < 0:
+            if field.name not in absent:
+                out.append((field.name, "required column is missing"))
+        elif not lossless(schema.field(i).type, field.type):
+            out.append((field.name, f"has type {schema.field(i).type}, expected {field.type}"))
+    return out
+
+
+_FORBIDDEN = re.compile(f"[{FORBIDDEN_IN_NAMES}]")
+
+
+def shown(text: str) -> str:
+    """`text` with each character forbidden in names written as its escape (`\\x1b`, `\\u202e`): what
+    a terminal or a page may show of a string from a trace, which must not fake or reorder lines."""
+    return _FORBIDDEN.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
+def safe_name(name: str) -> str:
+    """`name` as spec §Validity allows a name: `shown`, and a name longer than MAX_NAME cut to its
+    first 240 characters, `…` and 8 hex digits of the SHA-256 of the whole, so two long names stay
+    apart."""
+    safe = shown(name)
+    if len(safe) > MAX_NAME:
+        safe = safe[:240] + "…" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return safe

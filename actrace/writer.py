@@ -7,6 +7,7 @@ parts into `NAME.parquet` atomically and removes them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 
 from . import metadata
 from .reduce import Reading, ReductionError, reduce_array
-from .schema import SCALAR_INDEX
+from .schema import MAX_NAME, SCALAR_INDEX, safe_name
 from .table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
@@ -147,7 +148,8 @@ class Writer:
             shutil.rmtree(self.parts, ignore_errors=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.parts.mkdir()
-        self.run = run or self.path.name.removesuffix(".parquet")
+        self._names: dict[str, str] = {}
+        self.run = self._safe(run or self.path.name.removesuffix(".parquet"))
         self.mode = mode
         self.probe_fingerprint = probe_fingerprint
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
@@ -203,6 +205,7 @@ class Writer:
             raise RuntimeError(f"{self.path}: writer is closed")
         if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
             raise Terminated()
+        readings = [self._named(r) for r in readings]
         kept = [i for i, r in enumerate(readings) if self._grows(step, r)]
         if len(kept) < len(readings):
             readings = [readings[i] for i in kept]
@@ -218,6 +221,22 @@ class Writer:
                                              reading.stream in ("activation", "activation_grad") else None)))
         if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def _safe(self, name: str) -> str:
+        """A name as the spec allows it (schema.safe_name), the change said once per name."""
+        safe = self._names.get(name)
+        if safe is None:
+            safe = self._names[name] = safe_name(name)
+            if safe != name:
+                warnings.warn(f"actrace: {self.path}: the name {safe[:80]!r} is recorded with its control or "
+                              f"bidirectional characters escaped, and cut to {MAX_NAME} characters where longer "
+                              f"(spec §Validity)", stacklevel=4)
+        return safe
+
+    def _named(self, reading: Reading) -> Reading:
+        layer, param = self._safe(reading.layer), None if reading.param is None else self._safe(reading.param)
+        return reading if (layer, param) == (reading.layer, reading.param) else \
+            dataclasses.replace(reading, layer=layer, param=param)
 
     def _grows(self, step: int, reading: Reading) -> bool:
         """Whether `step` is after the last one recorded for this reading's layer, stream and param (a

@@ -14,13 +14,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 import actrace
 from actrace.fingerprint import fingerprint
 from actrace.reader import expand
 from actrace.reduce import merge, reduce_arrays
 
-from actrace.schema import KINDS
+from actrace.schema import KINDS, shown
 
 from ._onnx_graph import OP_KINDS, RECURRENT_OPS, Layer
 from ._onnx_graph import layers as graph_layers
@@ -206,13 +207,6 @@ def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[t
     return sorted(out)
 
 
-def _bar(i: int, n: int, text: str) -> None:
-    width = 24
-    done = int(width * i / n)
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text[:60]:<60}", end="" if i < n else "\n",
-          file=sys.stderr, flush=True)
-
-
 def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_types=None, steps=None,
                 step_pattern=None, chunk: int = 256, overwrite: bool = False, progress: bool = True,
                 input_axes: dict[str, int] | None = None) -> Path:
@@ -236,9 +230,10 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
                         adapter="actrace.adapters.onnx", config=dict(config or {}, graph_optimization="ORT_ENABLE_ALL"),
                         probe_fingerprint=fingerprint(probe_arrays),
                         probe_size=n_probe, mode="eval", overwrite=overwrite) as w:
-        for i, (step, path) in enumerate(order):
-            if progress:
-                _bar(i, len(order), f"step {step}: {path.name}")
+        terminal = sys.__stderr__  # the bar's own \r and cursor moves, drawn only on a terminal
+        bar = tqdm(order, unit="checkpoint", file=terminal, disable=not (progress and terminal and terminal.isatty()))
+        for i, (step, path) in enumerate(bar):
+            bar.set_description(shown(f"step {step}: {path.name}")[:60])
             checkpoint = Checkpoint(path, layers=layers, op_types=op_types, input_axes=input_axes)
             if checkpoint.lost and i == 0:
                 warnings.warn(f"actrace: the unit axis of {len(checkpoint.lost)} reading(s) cannot be followed "
@@ -250,6 +245,5 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
                                   f"{name} ({why})" for name, why in checkpoint.unread.items()), stacklevel=2)
             for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
-        if progress:
-            _bar(len(order), len(order), "done")
+        bar.close()
     return Path(out)

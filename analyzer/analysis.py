@@ -68,9 +68,10 @@ class Analysis:
 
 
 def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,
-            x: str = "step") -> Analysis:
-    """Read every trace once and derive what the analyzer commands show."""
+            x: str = "step", skip_invalid: bool = False) -> Analysis:
+    """Read every trace once and derive what the analyzer commands show; a trace that breaks the spec
+    stops it, naming the file (`skip_invalid`: leaves it out, saying so)."""
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
-    rows, runs = readings(paths, th)
+    rows, runs = readings(paths, th, skip_invalid)
     return Analysis(from_readings(rows, th), runs, scalars(rows), rules, mapping, x, th)

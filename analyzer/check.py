@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import polars as pl
 
+from actrace.schema import shown
+
 from .findings import SEVERITY_RANK, Finding
 from .metrics import last_reading
 
@@ -70,7 +72,7 @@ def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits
 
 
 def as_text(bad: list[Violation]) -> str:
-    lines = [f"{v.run} / {v.layer}: {v.message}" for v in bad]
+    lines = [f"{shown(v.run)} / {shown(v.layer)}: {shown(v.message)}" for v in bad]
     return "\n".join(lines + [f"check: {len(bad)} violation(s)" if bad else "check: passed"]) + "\n"
 
 
@@ -83,13 +85,13 @@ def as_junit(bad: list[Violation], runs: list[str], gates: list[str]) -> str:
     suites = ET.Element("testsuites", name="actrace check")
     for run in runs:
         mine = [v for v in bad if v.run == run]
-        suite = ET.SubElement(suites, "testsuite", name=run, tests=str(len(gates)),
+        suite = ET.SubElement(suites, "testsuite", name=shown(run), tests=str(len(gates)),
                               failures=str(len({v.gate for v in mine})))
         for gate in gates:
-            case = ET.SubElement(suite, "testcase", classname=f"actrace.{run}", name=gate)
+            case = ET.SubElement(suite, "testcase", classname=f"actrace.{shown(run)}", name=gate)
             failed = [v for v in mine if v.gate == gate]
             if failed:
                 failure = ET.SubElement(case, "failure", message=f"{len(failed)} violation(s) of {gate}")
-                failure.text = "\n".join(f"{v.layer}: {v.message}" for v in failed)
+                failure.text = "\n".join(f"{shown(v.layer)}: {shown(v.message)}" for v in failed)
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"

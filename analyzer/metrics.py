@@ -16,8 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actrace import bins
-from actrace.schema import READING_KEY, SAT_LEVELS, SATURATING_SIDES
 from actrace.reader import TraceError, read_source, trace_sources
+from actrace.schema import KINDS, READING_KEY, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS, minor_version
+from actrace.validate import metadata_problems, row_problems, run_problems
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
@@ -185,10 +186,26 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
 _BOUNDED_ONLY = ("unit_min_dev", "hist", "sat_counts")  # read only from files with bounded layers
 
 
+def _bounded(t: pa.Table) -> bool:
+    return t["bound_lo"].null_count < len(t)
+
+
 def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
-    layers, what saturation needs); its metadata."""
-    table, meta = read_source(source, _READ, when=(_BOUNDED_ONLY, lambda t: t["bound_lo"].null_count < len(t)))
+    layers, what saturation needs); its metadata. The columns read are checked first (spec
+    §Validity): a trace that breaks a rule they fall under is refused, naming the file and the rule."""
+    table, meta = read_source(source, _READ, when=(_BOUNDED_ONLY, _bounded))
+    read = set(_READ) if _bounded(table) else set(_READ) - set(_BOUNDED_ONLY)
+    newer = minor_version(meta["spec_version"]) > minor_version(SPEC_VERSION)
+    problems = metadata_problems(meta, source) + row_problems(table, source, read=read, newer_minor=newer)
+    problems = problems or run_problems(table, meta, source)
+    if problems:
+        more = f" (and {len(problems) - 1} more; `actrace validate {source}` lists them)" if len(problems) > 1 else ""
+        raise TraceError(f"{problems[0]}{more}")
+    if newer:  # a newer minor version's streams are not ours to read, its kinds read as 'other'
+        table = table.filter(pc.is_in(table["stream"], pa.array(list(STREAMS))))
+        table = table.set_column(table.column_names.index("kind"), "kind", pc.if_else(
+            pc.is_in(table["kind"], pa.array(list(KINDS))), table["kind"], "other"))
     counts = unit_counts(table, th)
     table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
     df = pl.from_arrow(table).with_columns(
@@ -202,15 +219,27 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     return unique, dict(meta, file=str(source))
 
 
-def readings(paths, th: Thresholds) -> tuple[pl.DataFrame, list[dict]]:
+def readings(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, list[dict]]:
     """Every trace reduced to scalar rows, and each trace's metadata (with its `file`), in the order
     given; two traces at a time (reading one while reducing the other), so memory holds at most
-    two traces' per-unit lists."""
+    two traces' per-unit lists. A trace that cannot be read or breaks the spec stops the analysis,
+    naming it; with `skip_invalid` it is left out, and said."""
     sources = trace_sources(paths)
     if not sources:
         raise TraceError(f"no traces found in {paths}")
+
+    def reduce(source):
+        try:
+            return _reduce_source(source, th)
+        except TraceError as exc:
+            if not skip_invalid:
+                raise
+            warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
+            return None
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = list(pool.map(lambda s: _reduce_source(s, th), sources))
+        done = [d for d in pool.map(reduce, sources) if d is not None]
+    if not done:
+        raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
     return pl.concat([f for f, _ in done], how="diagonal_relaxed"), [meta for _, meta in done]
 
 

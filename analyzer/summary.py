@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from actrace.schema import shown
+
 from .findings import Finding, findings_frame, group
 from .metrics import METRIC_COLUMNS, last_reading
 
@@ -24,9 +26,10 @@ def format_findings(found: list[Finding]) -> str:
     for g in groups:
         f = g.first
         since = f" since step {f.step}" if f.step >= 0 else ""  # a run's status has no step
-        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {f.run} / {f.layer}{since}: {f.evidence}")
+        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {shown(f.run)} / {shown(f.layer)}{since}: "
+                     f"{shown(f.evidence)}")
         if g.others:
-            names = ", ".join(o.layer for o in g.others[:12]) + (", …" if len(g.others) > 12 else "")
+            names = ", ".join(shown(o.layer) for o in g.others[:12]) + (", …" if len(g.others) > 12 else "")
             lines.append(f"  {'':<8} {'':<20} also {len(g.others)} more layer(s): {names}")
         lines.append(f"  {'':<8} {'':<20} → {f.advice}")
     return "\n".join(lines)
@@ -40,17 +43,18 @@ def layer_table(m: pl.DataFrame) -> str:
     grad = last_reading(grad, "run", "layer").select("run", "layer", "grad_norm")
     t = act.drop("grad_norm").join(grad, on=["run", "layer"], how="full", coalesce=True).sort(
         "run", "layer_index", nulls_last=True)
-    header = f"  {'layer':<32} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'sparse':>7} {'sat.v':>6} " \
+    width = max([len(shown(n)) for n in t["layer"].to_list()] + [5])  # names shown whole: query, key, value
+    header = f"  {'layer':<{width}} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'sparse':>7} {'sat.v':>6} " \
              f"{'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
     legend = ("  dead: share of units zero for every probe input; sparse: share of values exactly 0 (not death); "
               "sat.v / sat.u: saturated share of values / of units pinned for every input; grad: last parameter "
               "gradient norm; nan: the reading held a NaN or Inf; - : does not apply (saturation: bounded kinds only)")
     lines = []
     for (run,), g in t.group_by(["run"], maintain_order=True):
-        lines += [f"run {run}", header]
+        lines += [f"run {shown(run)}", header]
         for r in g.iter_rows(named=True):
             lines.append(
-                f"  {r['layer'][:32]:<32} {(r['kind'] or '-'):<10} {_fmt(r['units']):>6} {_fmt(r['step']):>7} "
+                f"  {shown(r['layer']):<{width}} {(r['kind'] or '-'):<10} {_fmt(r['units']):>6} {_fmt(r['step']):>7} "
                 f"{_fmt(r['dead_fraction'], True):>6} {_fmt(r['sparsity'], True):>7} "
                 f"{_fmt(r['saturation_value'], True):>6} {_fmt(r['saturation_unit'], True):>6} "
                 f"{_fmt(r['mean']):>9} {_fmt(r['std']):>9} {_fmt(r['grad_norm']):>9}")
@@ -65,7 +69,7 @@ def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
         for r in g.head(per_metric).iter_rows(named=True):
             units = "" if r["units"] == r["baseline_units"] else \
                 f"  [{_fmt(r['units'])} vs {_fmt(r['baseline_units'])} units: different layers?]"
-            lines.append(f"  {metric:<17} {r['run']} / {r['aligned']} ({r['stream']}): {_fmt(r['value'])} vs "
+            lines.append(f"  {metric:<17} {shown(r['run'])} / {shown(r['aligned'])} ({r['stream']}): {_fmt(r['value'])} vs "
                          f"{_fmt(r['baseline_value'])}  (difference {r['difference']:+.3g}){units}")
     return "\n".join(lines)
 

@@ -22,9 +22,9 @@ def test_validate_fails_with_a_line_per_problem_and_no_traceback(cli):
     assert "Traceback" not in res.stdout + res.stderr
 
 
-def test_validate_names_a_path_that_does_not_exist(cli):
-    res = cli("validate", "runs/nope.parquet")
-    assert res.returncode == 1 and "runs/nope.parquet" in res.stdout and "no such file" in res.stdout
+def test_validate_names_a_path_that_does_not_exist_as_a_usage_error(cli):
+    res = cli("validate", "runs/nope.parquet")  # exit 1 means "invalid"; naming nothing is a usage error
+    assert res.returncode == 2 and "runs/nope.parquet" in res.stderr and "no such file" in res.stderr
 
 
 def test_inspect_shows_layers_steps_streams_and_size(cli):
