@@ -7,7 +7,7 @@ import os
 import sys
 import warnings
 
-from .reader import TraceError
+from .reader import TraceError, trace_sources
 from .schema import shown
 
 EXAMPLES = """examples:
@@ -62,6 +62,10 @@ def analysis(args):
     unknown = sorted(set(getattr(args, "allow", ())) - set(ADVICE))
     if unknown:
         raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
+    if getattr(args, "output", None):  # refused before any work: an input, a link, another kind of file
+        from .output import check
+
+        check(args.output, output_kind(args), trace_sources(args.paths), args.force)
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
                 skip_invalid=args.skip_invalid)
@@ -70,12 +74,29 @@ def analysis(args):
     return a
 
 
+def output_kind(args) -> str:
+    """What an analyzer command writes to -o: its report, or its answer in the format asked."""
+    return "report" if args.command == "report" else args.format
+
+
+def emit(text: str, args, what: str) -> None:
+    """Write a command's answer to its -o (spec of actrace.output: never over an input, a link or
+    another kind of file; atomically), saying so, or to stdout."""
+    if args.output:
+        from .output import write
+
+        write(args.output, text, output_kind(args), trace_sources(args.paths), args.force)
+        progress(f"wrote {what} to {args.output}")
+    else:
+        sys.stdout.write(text)
+
+
 def cmd_summary(args) -> int:
     from .analyzer.summary import format_comparison, format_findings, layer_table, machine_metrics
 
     a = analysis(args)
     if args.format != "text":
-        emit(machine_metrics(a.metrics, args.format), args.output, f"{a.metrics.height} metric rows")
+        emit(machine_metrics(a.metrics, args.format), args, f"{a.metrics.height} metric rows")
         return 0
     progress("comparing runs")
     compared = a.compared(args.baseline)
@@ -93,23 +114,11 @@ def cmd_report(args) -> int:
     from .analyzer.summary import format_findings
 
     a = analysis(args)
-    out = build_report(a, args.output, baseline=args.baseline, progress=progress)
+    page = build_report(a, baseline=args.baseline, progress=progress)
+    emit(page, args, "the report")
     print(format_findings(a.findings))
-    print(f"report: {out} ({out.stat().st_size / 2**20:.1f} MiB; open it in any browser, it works offline)")
+    print(f"report: {args.output} ({len(page.encode()) / 2**20:.1f} MiB; open it in any browser, it works offline)")
     return 0
-
-
-def emit(text: str, output: str | None, what: str) -> None:
-    """Write machine output to a file (saying so; its folder made) or to stdout."""
-    if output:
-        from pathlib import Path
-
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        with open(output, "w") as f:
-            f.write(text)
-        progress(f"wrote {what} to {output}")
-    else:
-        sys.stdout.write(text)
 
 
 def cmd_findings(args) -> int:
@@ -118,7 +127,7 @@ def cmd_findings(args) -> int:
     a = analysis(args)
     found = a.findings
     emit(format_findings(found) + "\n" if args.format == "text" else machine_findings(found, args.format),
-         args.output, f"{len(found)} findings")
+         args, f"{len(found)} findings")
     return 0
 
 
@@ -133,12 +142,11 @@ def cmd_check(args) -> int:
     gates = ["findings", *limits]
     text = {"text": lambda: as_text(bad), "json": lambda: as_json(bad, runs),
             "junit": lambda: as_junit(bad, runs, gates)}[args.format]()
-    emit(text, args.output, f"the check of {len(runs)} run(s)")
+    emit(text, args, f"the check of {len(runs)} run(s)")
     return 1 if bad else 0
 
 
 def cmd_validate(args) -> int:
-    from .reader import trace_sources
     from .validate import validate_source
 
     n_bad = 0
@@ -154,7 +162,6 @@ def cmd_validate(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .describe import describe, format_description
-    from .reader import trace_sources
 
     out = [describe(s) for s in trace_sources(args.paths)]
     print(json.dumps(out if len(out) > 1 else out[0], indent=2) if args.json
@@ -298,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--x", choices=["step", "progress"], default="step",
                        help="align runs by step or by fraction of training")
         p.add_argument("--mapping", metavar="FILE", help="layer alignment: CSV run,layer,aligned or JSON")
+        p.add_argument("--force", action="store_true",
+                       help="let -o replace an existing file that is not an actrace output of this kind")
         p.add_argument("--skip-invalid", action="store_true",
                        help="leave out traces that cannot be read or break the spec (each named), instead of stopping")
         p.set_defaults(func=func)
@@ -364,6 +373,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `actrace summary … | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:  # a full disk, a read-only folder, a folder where a file was meant: one line
+        print(f"actrace {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
 

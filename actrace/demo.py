@@ -140,6 +140,7 @@ def run_demo(out_dir) -> int:
     from .adapters.onnx import record_onnx
     from .analyzer.analysis import analyze
     from .analyzer.report import build_report
+    from .output import write
     from .analyzer.summary import format_findings
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -166,7 +167,8 @@ def run_demo(out_dir) -> int:
     traces.append(onnx_trace)
     say(f"[{len(RUNS) + 2}/{len(RUNS) + 2}] analyzing {len(traces)} traces")
     analysis = analyze(traces)
-    report = build_report(analysis, out_dir / "report.html", progress=lambda msg: say(f"  {msg}…"))
+    report = write(out_dir / "report.html", build_report(analysis, progress=lambda msg: say(f"  {msg}…")), "report",
+                   traces)
     print(format_findings(analysis.findings))
     print(f"\ntraces:  {runs_dir}/  ({len(traces)} runs: {', '.join(p.stem for p in traces)})")
     print(f"report:  {report}  (open it in a browser; it works offline)")

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -24,7 +25,7 @@ import pyarrow.parquet as pq
 
 from . import metadata
 from .reduce import Reading, ReductionError, reduce_array
-from .schema import MAX_NAME, SCALAR_INDEX, safe_name
+from .schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
 from .table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
@@ -91,14 +92,53 @@ def parts_dir(path: Path) -> Path:
     return path.with_name(path.name + ".parts")
 
 
+def lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _lock(path: Path):
+    """The lock of one trace, held for its writer's life (`flock`, released by the system if the
+    process dies): a second writer of the same trace fails at once, naming the holder."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer per trace is then the user's to keep
+        return None
+    f = open(lock_path(path), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    f.flush()
+    return f
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether the file at `path` is an actrace trace (one an overwrite may replace)."""
+    try:
+        metadata.read(path)
+        return True
+    except metadata.TraceError:
+        return False
+
+
 def write_parquet(table: pa.Table, path: Path) -> None:
     """Write `table` (pages with CRC checksums) to a temp file beside `path`, make it durable, then
     move it into place atomically and make the move durable: after a power loss the file is
     either the old one or the whole new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, **PARQUET_OPTIONS)
-    _fsync(tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp, **PARQUET_OPTIONS)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
     _fsync(path.parent)
 
 
@@ -140,14 +180,27 @@ class Writer:
                  flush_seconds: float = 10.0, overwrite: bool = False, expect=()):
         self.path = Path(path)
         self.parts = parts_dir(self.path)
-        if self.path.exists() or self.parts.exists():
-            if not overwrite:
-                raise FileExistsError(f"{self.path}: a trace is already there; pass overwrite=True "
-                                      f"(or --overwrite) to replace it")
-            self.path.unlink(missing_ok=True)
-            shutil.rmtree(self.parts, ignore_errors=True)
+        for p in (self.path, self.parts):
+            if p.is_symlink():
+                raise ValueError(f"{p} is a symbolic link: a trace is not written through one")
+        if self.path.is_dir():
+            raise ValueError(f"{self.path} is a folder: give the trace's file name, runs/NAME.parquet")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.parts.mkdir()
+        self._lock = _lock(self.path)
+        try:
+            if self.path.exists() or self.parts.exists():
+                if not overwrite:
+                    raise FileExistsError(f"{self.path}: a trace is already there; pass overwrite=True "
+                                          f"(or --overwrite) to replace it")
+                if self.path.exists() and not _is_trace(self.path):
+                    raise FileExistsError(f"{self.path} is not an actrace trace: not replaced, even with overwrite")
+                self.path.unlink(missing_ok=True)
+                shutil.rmtree(self.parts, ignore_errors=True)
+            self.parts.mkdir()
+        except BaseException:
+            self._unlock()
+            raise
+        self._unwritable = False
         self._names: dict[str, str] = {}
         self.run = self._safe(run or self.path.name.removesuffix(".parquet"))
         self.mode = mode
@@ -190,6 +243,14 @@ class Writer:
         """Close without writing a trace (only sensible when nothing was recorded)."""
         self.closed = True
         shutil.rmtree(self.parts, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """Let the next writer of this trace in: the lock file goes, its lock with it."""
+        if self._lock is not None:
+            lock_path(self.path).unlink(missing_ok=True)
+            self._lock.close()
+            self._lock = None
 
     def record(self, step: int, reading: Reading, *, mode: str | None = None,
                probe_fingerprint: str | None = None, layer_index: int | None = None) -> None:
@@ -219,7 +280,8 @@ class Writer:
             self.streams.add(reading.stream)
             self._rows.append((reading, dict(base, layer_index=int(index), probe_fingerprint=fingerprint if
                                              reading.stream in ("activation", "activation_grad") else None)))
-        if len(self._rows) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+        due = time.monotonic() - self._last_flush >= self.flush_seconds
+        if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
             self.flush()
 
     def _safe(self, name: str) -> str:
@@ -316,17 +378,28 @@ class Writer:
                     warnings.warn(f"actrace: {self.path}: not logged: {exc}", stacklevel=2)
         self.record_many(step, readings, layer_indexes=[SCALAR_INDEX] * len(readings))
 
-    def flush(self) -> None:
-        """Write the buffered readings as one complete part file."""
+    def flush(self) -> bool:
+        """Write the buffered readings as one complete part file; True when they are on disk. Where
+        the disk refuses (full, read-only), the readings stay buffered for the next flush and this
+        is said once: a monitor never takes training down."""
         self._last_flush = time.monotonic()
         if not self._rows:
-            return
+            return True
         table = readings_to_table(self._rows)
+        try:
+            write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)),
+                          self.parts / f"part-{self._n_parts + 1:06d}.parquet")
+        except OSError as exc:
+            if not self._unwritable:
+                warnings.warn(f"actrace: {self.path}: cannot write a part file ({exc}); the readings stay in "
+                              "memory and are written at the next flush", stacklevel=3)
+            self._unwritable = True
+            return False
         self._n_parts += 1
-        write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)),
-                      self.parts / f"part-{self._n_parts:06d}.parquet")
         self.readings_written += len(self._rows)
         self._rows.clear()
+        self._unwritable = False
+        return True
 
     def close(self, failed: BaseException | None = None, *, at_exit: bool = False) -> Path:
         """Flush, compact the part files into the trace atomically, remove the parts. The trace's
@@ -337,15 +410,19 @@ class Writer:
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
         self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
-        self.flush()
+        flushed = self.flush()
         self.closed = True
-        parts = sorted(self.parts.glob("part-*.parquet"))
-        tables = [pq.read_table(p, page_checksum_verification=True) for p in parts]
-        if tables:
-            table = pa.concat_tables(tables).replace_schema_metadata(metadata.encode(self.meta))
-        else:
-            from .schema import SCHEMA
-            table = SCHEMA.empty_table().replace_schema_metadata(metadata.encode(self.meta))
-        write_parquet(table, self.path)
+        try:
+            parts = sorted(self.parts.glob("part-*.parquet"))
+            tables = [pq.read_table(p, page_checksum_verification=True) for p in parts]
+            table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+            write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)), self.path)
+        except OSError as exc:  # the trace stays as its part files, readable, status `running`
+            lost = "" if flushed else f"; {len(self._rows)} readings could not be written at all"
+            warnings.warn(f"actrace: {self.path}: cannot compact the trace ({exc}): it stays as its part files in "
+                          f"{self.parts}{lost}", stacklevel=2)
+            self._unlock()
+            return self.parts
         shutil.rmtree(self.parts)
+        self._unlock()
         return self.path

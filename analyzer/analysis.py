@@ -56,7 +56,7 @@ class Analysis:
                 table, _ = read_source(Path(meta["file"]), ["run", "layer", "stream", "step", "hist"])
                 frames.append(pl.from_arrow(table).filter((pl.col("stream") == "activation")
                                                           & pl.col("hist").is_not_null())
-                              .join(chosen, on=["run", "layer"], how="semi").drop("stream"))
+                              .join(chosen, on=["run", "layer"], how="semi", maintain_order="left").drop("stream"))
         return pl.concat(frames) if frames else pl.DataFrame()
 
     def compared(self, baseline: str | None = None) -> pl.DataFrame:

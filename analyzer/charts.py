@@ -52,7 +52,7 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
     layer looks healthy, and a run with nothing to show in a panel gets that reason written there."""
     runs = [r for r in runs if r in set(df["run"])]
     run = _select(menu, runs, "run ", default_run)
-    order = df.select("layer", "layer_index").unique().sort("layer_index")["layer"].to_list()
+    order = df.select("layer", "layer_index").unique().sort("layer_index", "layer")["layer"].to_list()
     n_layers = len(order)
     height = min(max(12 * n_layers, 160), 1800)
     charts = []
@@ -82,7 +82,7 @@ def trend_lines(df: pl.DataFrame, columns: list[tuple[str, str]], x_title: str,
     """Per aligned layer (chosen in a menu), each metric over x with runs overlaid; click the
     legend to highlight one run. A layer with nothing to show in a chart gets `why[column]`."""
     why = why or {}
-    layers = df.sort("layer_index")["aligned"].unique(maintain_order=True).to_list()
+    layers = df.sort("layer_index", "aligned")["aligned"].unique(maintain_order=True).to_list()
     names = df.group_by("aligned").agg(pl.col("layer").unique(maintain_order=True))
     own = dict(zip(names["aligned"], names["layer"].to_list()))
     labels = [", ".join(own[a][:3]) + ("" if own[a] == [a] else f"  ({a})") for a in layers]

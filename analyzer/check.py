@@ -73,7 +73,7 @@ def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits
 
 def as_text(bad: list[Violation]) -> str:
     lines = [f"{shown(v.run)} / {shown(v.layer)}: {shown(v.message)}" for v in bad]
-    return "\n".join(lines + [f"check: {len(bad)} violation(s)" if bad else "check: passed"]) + "\n"
+    return "\n".join([f"check: {len(bad)} violation(s)" if bad else "check: passed"] + lines) + "\n"
 
 
 def as_json(bad: list[Violation], runs: list[str]) -> str:

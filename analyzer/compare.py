@@ -42,7 +42,7 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
         order = pl.col("layer_index").rank("dense").over("run", "kind", shared).cast(pl.Int64) - 1
         layers = layers.with_columns(pl.when(shared).then(pl.col("layer"))
                                      .otherwise(pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
-    out = m.join(layers.select("run", "layer", "aligned"), on=["run", "layer"], how="left")
+    out = m.join(layers.select("run", "layer", "aligned"), on=["run", "layer"], how="left", maintain_order="left")
     if x == "progress":
         span = pl.col("step").max().over("run") - pl.col("step").min().over("run")
         prog = (pl.col("step") - pl.col("step").min().over("run")) / pl.when(span > 0).then(span).otherwise(1)
@@ -70,7 +70,7 @@ def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", to
     base = long.filter(pl.col("run") == baseline).drop("run").rename({"value": "baseline_value",
                                                                       "units": "baseline_units"})
     other = long.filter(pl.col("run") != baseline)
-    joined = other.join(base, on=["aligned", "stream", "x", "metric"], how="inner")
+    joined = other.join(base, on=["aligned", "stream", "x", "metric"], how="inner", maintain_order="left")
     scale = pl.when(pl.col("metric").is_in(["grad_norm", "std"]))
     diff = scale.then((pl.col("value").abs() + 1e-12).log10() - (pl.col("baseline_value").abs() + 1e-12).log10()
                       ).otherwise(pl.col("value") - pl.col("baseline_value"))
@@ -82,6 +82,6 @@ def compare(a: pl.DataFrame, baseline: str | None = None, *, x: str = "step", to
             # float rounding is not a difference (two frameworks' kernels round apart); NaN runs are nan_inf's
             .filter((pl.col("_abs") > NOISE * pl.max_horizontal(pl.col("value").abs(), pl.col("baseline_value").abs(),
                                                                 pl.lit(1.0))) & pl.col("_abs").is_finite())
-            .sort("_abs", descending=True).drop("_abs")
+            .sort(["_abs", "metric", "run", "aligned", "stream"], descending=[True, False, False, False, False]).drop("_abs")
             .group_by("metric", maintain_order=True).head(top)
             .with_columns(pl.lit(baseline).alias("baseline")))

@@ -372,7 +372,8 @@ def _runaway_updates(run, p: pl.DataFrame, loss: pl.DataFrame | None, r: Rules) 
             continue
         rose = _loss_rose(loss, steps[i - 2], steps[i - 1], steps[i])
         layers = per.filter(pl.col("step") == steps[i]).with_columns(
-            (pl.col("update_ratio") / pl.col("update_ratio").median()).alias("_rel")).sort("update_ratio", descending=True)
+            (pl.col("update_ratio") / pl.col("update_ratio").median()).alias("_rel")).sort(
+            ["update_ratio", "layer"], descending=[True, False])
         worst = layers.row(0, named=True)
         said = rose[1] if rose is not None else ""
         return _finding("critical" if rose is not None and rose[0] else "warning", "exploding_gradients", run,
@@ -415,7 +416,7 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
                             f"{g.height} readings affected", score=g.height, stream=first["stream"],
                             value=first["nan_count"] + first["inf_count"], threshold=0, first=first["step"],
                             last=g["step"].max(), index=first["layer_index"]))
-    acts = m.filter(pl.col("stream") == "activation").sort("run", "step")
+    acts = m.filter(pl.col("stream") == "activation").sort("run", "step", "layer_index", "layer")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())
         changed = fps.filter(pl.col("probe_fingerprint") != fps["probe_fingerprint"][0]) if fps.height else fps

@@ -252,7 +252,7 @@ def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
     out = pl.concat([act, par], how="diagonal_relaxed").with_columns(
         pl.when(pl.col("stream").is_in(["param_grad", "activation_grad"])).then(pl.col("norm"))
         .alias("grad_norm"))
-    return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "step").collect()
+    return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "layer", "step").collect()
 
 
 def scalars(rows: pl.DataFrame) -> pl.DataFrame:

@@ -40,11 +40,11 @@ def _compact(df: pl.DataFrame) -> pl.DataFrame:
 def _thin_steps(df: pl.DataFrame, limit: int) -> pl.DataFrame:
     """Keep at most `limit` evenly spaced steps per run (first and last always)."""
     keep = []
-    for (run,), g in df.select("run", "step").unique().sort("step").group_by(["run"]):
+    for (run,), g in df.select("run", "step").unique().sort("run", "step").group_by(["run"], maintain_order=True):
         steps = g["step"].to_numpy()
         idx = np.unique(np.linspace(0, len(steps) - 1, min(limit, len(steps))).round().astype(int))
         keep.append(pl.DataFrame({"run": [run] * len(idx), "step": steps[idx]}))
-    return df.join(pl.concat(keep), on=["run", "step"], how="semi") if keep else df
+    return df.join(pl.concat(keep), on=["run", "step"], how="semi", maintain_order="left") if keep else df
 
 
 def _bin_labels() -> list[str]:
@@ -83,7 +83,7 @@ def _spec_json(chart) -> str:
 
 
 PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>actrace report</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="actrace report"><title>actrace report</title>
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data:">
 <style>
 body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
@@ -168,8 +168,8 @@ def _loss_marks(analysis: Analysis) -> tuple[pl.DataFrame, pl.DataFrame] | None:
     return _compact(_thin_steps(loss, 4 * MAX_TREND_STEPS)), _compact(marks)
 
 
-def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, progress=lambda msg: None) -> Path:
-    """Write the report of an analysis to `out`, runs compared with `baseline` (default: the first)."""
+def build_report(analysis: Analysis, *, baseline: str | None = None, progress=lambda msg: None) -> str:
+    """The report of an analysis as one HTML page, runs compared with `baseline` (default: the first)."""
     import altair as alt
     import vl_convert
     from altair.utils._importers import vl_version_for_vl_convert
@@ -276,9 +276,4 @@ def build_report(analysis: Analysis, out: Path, *, baseline: str | None = None, 
         findings=_findings_html(found), comparison=_comparison_html(compared), sections="\n".join(sections),
         runs=_table(runs, ["run", "framework", "adapter", "mode", "probe", "created", "host", "config", "file"]),
         specs="{" + ",".join(f'"{k}": {v}' for k, v in specs.items()) + "}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return page
