@@ -33,7 +33,7 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
     """Add `aligned` (a layer key shared across runs) and `x` (step or progress in [0, 1])."""
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
-    layers = m.select("run", "layer", "layer_index", "kind").unique().sort("run", "layer_index", "layer")
+    layers = m.select("run", "layer", "layer_index", "kind").unique().sort("run", "layer_index", "layer", "kind")
     if mapping:
         layers = layers.with_columns(pl.struct("run", "layer").map_elements(
             lambda r: mapping.get((r["run"], r["layer"]), r["layer"]), return_dtype=pl.String).alias("aligned"))
@@ -42,7 +42,9 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
         order = pl.col("layer_index").rank("dense").over("run", "kind", shared).cast(pl.Int64) - 1
         layers = layers.with_columns(pl.when(shared).then(pl.col("layer"))
                                      .otherwise(pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
-    out = m.join(layers.select("run", "layer", "aligned"), on=["run", "layer"], how="left", maintain_order="left")
+    # a layer read under two kinds (an LSTM's output sequence `tanh`, its parameters `other`) keeps each
+    out = m.join(layers.select("run", "layer", "kind", "aligned"), on=["run", "layer", "kind"], how="left",
+                 maintain_order="left")
     if x == "progress":
         span = pl.col("step").max().over("run") - pl.col("step").min().over("run")
         prog = (pl.col("step") - pl.col("step").min().over("run")) / pl.when(span > 0).then(span).otherwise(1)
