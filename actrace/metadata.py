@@ -65,8 +65,10 @@ def open_file(path: Path) -> pq.ParquetFile:
         if footer > min(MAX_FOOTER, size - 12):
             raise TraceError(f"{path}: its footer declares {footer} bytes of metadata "
                              f"({'more than the file holds' if footer > size - 12 else 'over the 16 MiB a trace may hold'})")
-        return pq.ParquetFile(path, page_checksum_verification=True)
-    except (pa.ArrowException, OSError) as exc:
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        pf.schema_arrow  # noqa: B018 - its names decoded now: a name that is not UTF-8 is no trace's
+        return pf
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# what a command's own earlier output starts with (its first KiB), by kind of output
+# what a command's own earlier output holds in its first KiB, by kind of output (and `[]`, an empty
+# JSON answer)
 SIGNATURES = {
     "report": ('<meta name="generator" content="actrace report">',),
     "json": ('"rule":', '"dead_fraction":', '"passed":'),
@@ -39,7 +40,7 @@ def check(path, kind: str, inputs=(), force: bool = False) -> Path:
     if path.exists() and path.stat().st_size and not force:
         with open(path, "rb") as f:
             head = f.read(1024).decode("utf-8", "replace")
-        if not any(mark in head for mark in SIGNATURES[kind]):
+        if not any(mark in head for mark in SIGNATURES[kind]) and not (kind == "json" and head.strip() == "[]"):
             raise ValueError(f"{path} exists and is not an actrace {kind} output: not overwritten (--force replaces "
                              "it)")
     return path
