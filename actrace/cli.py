@@ -18,6 +18,8 @@ EXAMPLES = """examples:
   actrace summary runs/ --format csv > metrics.csv
   actrace findings runs/*.parquet --format json -o findings.json
   actrace check runs/*.parquet --max-dead 0.2 --no-nan
+  actrace diff runs/base.parquet runs/lr-x20.parquet      # where and when a run parts from a baseline
+  actrace diff runs/seed*.parquet -- runs/new.parquet     # the baseline's band from several seeds
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
 """
@@ -144,6 +146,32 @@ def cmd_check(args) -> int:
             "junit": lambda: as_junit(bad, runs, gates)}[args.format]()
     emit(text, args, f"the check of {len(runs)} run(s)")
     return 1 if bad else 0
+
+
+def cmd_diff(args) -> int:
+    from .analyzer.diff import METRICS, as_csv, as_json, as_text, diff
+
+    if args.compared:  # diff A1 A2 A3 -- B C: the baseline's seeds, then the runs compared with them
+        base_paths, args.paths = args.paths, args.paths + args.compared
+    else:
+        if len(args.paths) < 2:
+            raise ValueError("give a baseline and at least one run to compare: actrace diff A B [C ...], or "
+                             "several seeds of the baseline: actrace diff A1 A2 A3 -- B")
+        base_paths = args.paths[:1]
+    bad = sorted(set(args.metrics) - set(METRICS))
+    if bad:
+        raise ValueError(f"--metrics {bad[0]!r} is not a metric diff compares; they are {', '.join(METRICS)}")
+    base_files = {str(s) for s in trace_sources(base_paths)}
+    a = analysis(args)
+    baselines = [m["run_name"] for m in a.runs if m["file"] in base_files]
+    runs = [m["run_name"] for m in a.runs if m["file"] not in base_files]
+    if not runs:
+        raise ValueError("every trace given is a baseline: put the runs to compare after --")
+    progress(f"comparing {len(runs)} run(s) with {', '.join(baselines)}")
+    d = diff(a.aligned, baselines, runs, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
+    emit({"text": lambda: as_text(d, runs), "json": lambda: as_json(d), "csv": lambda: as_csv(d)}[args.format](),
+         args, f"{len(d.partings)} parting(s)")
+    return 1 if d.partings else 0
 
 
 def cmd_validate(args) -> int:
@@ -312,6 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    p = analyzer_command("diff", "where and when runs part from a baseline, against its own noise (exit 1 if any)",
+                         cmd_diff)
+    p.add_argument("--format", choices=["text", "json", "csv"], default="text", help="json/csv: every parting")
+    p.add_argument("--compared", nargs="+", default=[], help=argparse.SUPPRESS)  # what `--` stands for
+    p.add_argument("-o", "--output", help="write the answer here instead of stdout")
+    p.add_argument("--persist", type=int, default=3, metavar="N",
+                   help="readings in a row outside the baseline's band that make a parting (default 3)")
+    p.add_argument("--sigmas", type=float, default=4.0, metavar="K",
+                   help="band: K times the baseline's step-to-step noise, at least (default 4)")
+    p.add_argument("--metrics", nargs="+", default=["dead_fraction", "saturation_value", "std", "grad_norm",
+                                                    "update_ratio"], metavar="METRIC",
+                   help="metrics compared (also: mean, which depends on a layer's initialization)")
     p = analyzer_command("report", "write a self-contained offline HTML report", cmd_report)
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p = analyzer_command("summary", "findings and a per-layer table in the terminal", cmd_summary)
@@ -349,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command_line = []
-    if "--" in argv:  # `actrace record -o X -- python train.py ...`: the rest is the command
+    if argv[:1] == ["diff"] and "--" in argv:  # `diff A1 A2 -- B --format json`: after -- the runs compared
+        argv[argv.index("--")] = "--compared"
+    elif "--" in argv:  # `actrace record -o X -- python train.py ...`: the rest is the command
         cut = argv.index("--")
         argv, command_line = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)

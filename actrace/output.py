@@ -9,11 +9,11 @@ from pathlib import Path
 # what a command's own earlier output holds in its first KiB, by kind of output (and `[]`, an empty
 # JSON answer)
 SIGNATURES = {
-    "report": ('<meta name="generator" content="actrace report">',),
-    "json": ('"rule":', '"dead_fraction":', '"passed":'),
-    "csv": ("severity,rule,run,layer", "run,layer,layer_index,kind,stream,step"),
+    "report": ('<meta name="generator" content="actrace report">', "<title>actrace report</title>"),
+    "json": ('"rule":', '"dead_fraction":', '"passed":', '"partings":'),
+    "csv": ("severity,rule,run,layer", "run,layer,layer_index,kind,stream,step", "run,baseline,aligned"),
     "junit": ('<testsuites name="actrace check"',),
-    "text": ("findings: ", "check: "),
+    "text": ("findings: ", "check: ", " parts from ", ": no parting from the baseline"),
 }
 
 

@@ -75,7 +75,7 @@ def test_checkpoint_series_is_read_in_step_order(cli, tmp_path):
     res = cli("record", tmp_path / "step_*.onnx", "--probe", tmp_path / "probe.npz", "-o", tmp_path / "b.parquet",
               "--run", "teamB")
     assert res.returncode == 0, res.stderr
-    assert "3/3" in res.stderr and "b.parquet" in res.stderr
+    assert "b.parquet" in res.stderr and "\r" not in res.stderr and "\\x0d" not in res.stderr  # no bar into a pipe
     t = actrace.read_table(tmp_path / "b.parquet")
     assert sorted(set(t["step"].to_pylist())) == [100, 300, 1000]
     relu = [r for r in t.to_pylist() if r["layer"] == "fc1.relu"]
@@ -126,3 +126,30 @@ def test_an_op_onnxruntime_cannot_run_is_named(cli, tmp_path):
     np.save(tmp_path / "p.npy", np.ones((2, 2), np.float32))
     res = cli("record", tmp_path / "w.onnx", "--probe", tmp_path / "p.npy", "-o", tmp_path / "t.parquet")
     assert res.returncode == 2 and "ONNX Runtime cannot run this model" in res.stderr and "NoSuchOp" in res.stderr
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal(tmp_path):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    for step in (100, 200):
+        helper_model(tmp_path / f"step_{step}.onnx")
+    np.save(tmp_path / "p.npy", np.ones((4, 8), np.float32))
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "actrace.cli", "record", str(tmp_path / "step_*.onnx"), "--probe",
+                             str(tmp_path / "p.npy"), "-o", str(tmp_path / "t.parquet")], stderr=follower,
+                            stdout=subprocess.DEVNULL)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait() == 0
+    assert b"2/2" in seen and b"\r" in seen and b"\\x0d" not in seen  # the bar's own carriage returns, raw

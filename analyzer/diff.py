@@ -1,0 +1,201 @@
+"""`actrace diff`: where and when a run parts from a baseline, judged against the baseline's own noise.
+
+For each aligned layer and metric the *gap* is the run's value minus the baseline's (the median of
+its seeds, when several are given), on the metric's scale. The run *parts* at the first reading
+where the gap moves away from what it was at every reading before by more than the *band* and stays
+away for `persist` readings (or to the end, two at least): the largest of a floor that no metric
+resolves below (10 points of a share, a factor of 2 for a norm or a spread), `sigmas` times the
+step-to-step noise of the baseline and of the gap, and 1.5 times the spread of the seeds. Two
+seeds of one config start apart (another initialization) and stay so; a run whose learning rate is
+raised at step K was the baseline until K, and parts there. A gap already beyond the band at the
+first readings is said apart, as a difference from the start.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+
+from actrace.schema import shown
+
+# metric: (stream, scale, floor, what it is): a share compares as it is, a norm or spread by its log10,
+# a mean in units of the baseline's standard deviation
+METRICS = {
+    "dead_fraction": ("activation", "share", 0.1, "dead fraction"),
+    "saturation_value": ("activation", "share", 0.1, "saturation"),
+    "mean": ("activation", "sigma", 0.5, "mean"),
+    "std": ("activation", "log", math.log10(2), "std"),
+    "grad_norm": ("param_grad", "log", math.log10(2), "gradient norm"),
+    "update_ratio": ("param", "log", math.log10(2), "update ratio"),
+}
+# compared unless asked otherwise: a layer's mean depends on its initialization, so seeds differ in it
+DEFAULT_METRICS = ("dead_fraction", "saturation_value", "std", "grad_norm", "update_ratio")
+
+
+@dataclass
+class Parting:
+    """One run leaving the baseline's band in one aligned layer and metric."""
+
+    run: str
+    baseline: str
+    aligned: str
+    layer: str
+    layer_index: int
+    stream: str
+    metric: str
+    step: int
+    baseline_value: float
+    value: float
+    band: float
+    readings: int          # readings outside the band from `step` on
+    significance: float    # the median distance from the baseline over the band, from `step` on
+
+    def change(self) -> tuple[str, str]:
+        """What moved: "dead fraction 2% → 31%"; and the band it left: "±10.0%", "×/÷2"."""
+        what, scale = METRICS[self.metric][3], METRICS[self.metric][1]
+        fmt = (lambda v: f"{v:.0%}") if scale == "share" else (lambda v: f"{v:.3g}")
+        band = f"±{self.band:.1%}" if scale == "share" else (f"×/÷{10 ** self.band:.3g}" if scale == "log"
+                                                             else f"±{self.band:.3g}")
+        return f"{what} {fmt(self.baseline_value)} → {fmt(self.value)}", band
+
+    def said(self) -> str:
+        change, band = self.change()
+        return (f"{shown(self.run)} parts from {shown(self.baseline)} at step {self.step} in {shown(self.layer)}: "
+                f"{change}, outside the baseline's band {band} for {self.readings} reading(s) from there")
+
+
+@dataclass
+class Diff:
+    """A diff's answer: every parting, the first first; the layers that could not be aligned; the
+    gaps already beyond the band at the first readings (`Parting.step` is the first reading)."""
+
+    partings: list[Parting]
+    unaligned: dict[str, list[str]]   # run → its layers (aligned keys) the baseline has not, and the reverse
+    from_start: list[Parting] = field(default_factory=list)
+
+    @property
+    def first(self) -> dict[str, Parting]:
+        """Per run, where it parts first: the earliest step, then the first layer in forward order."""
+        out: dict[str, Parting] = {}
+        for p in sorted(self.partings, key=lambda p: (p.step, p.layer_index, -p.significance)):
+            out.setdefault(p.run, p)
+        return out
+
+
+def _noise(series: np.ndarray) -> float:
+    """A run's step-to-step noise: the robust spread of its first differences, per reading."""
+    d = np.diff(series[np.isfinite(series)])
+    return float(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2)) if len(d) >= 3 else 0.0
+
+
+def _values(df: pl.DataFrame, metric: str) -> pl.DataFrame:
+    """run, aligned, layer, layer_index, stream, x, step, v (the metric on its comparison scale), std."""
+    stream, scale, _, _ = METRICS[metric]
+    rows = df.filter((pl.col("stream") == stream) & pl.col(metric).is_not_null())
+    v = pl.col(metric)
+    if scale == "log":
+        v = pl.when(v.abs() > 0).then(v.abs().log10())
+    return rows.select("run", "aligned", "layer", "layer_index", "stream", "x", "step", v.alias("v"), "std") \
+        .filter(pl.col("v").is_finite())
+
+
+def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persist: int = 3,
+         sigmas: float = 4.0, metrics=DEFAULT_METRICS) -> Diff:
+    """Where each of `runs` parts from the `baselines` (seeds of one config), from metrics aligned
+    by `analyzer.compare.align` (shared `aligned` layer keys, `x` step or progress)."""
+    partings, from_start, unaligned = [], [], {}
+    keys = aligned.select("run", "aligned", "layer").unique()
+    base = keys.filter(pl.col("run").is_in(baselines))
+    for run in runs:  # by their own names: the baseline's layers the run lacks, then the run's the baseline lacks
+        own = keys.filter(pl.col("run") == run)
+        unaligned[run] = sorted(set(base.join(own, on="aligned", how="anti")["layer"])) + \
+            sorted(set(own.join(base, on="aligned", how="anti")["layer"]))
+    for metric in metrics:
+        _, scale, floor, _ = METRICS[metric]
+        vals = _values(aligned, metric)
+        for (key,), a in vals.filter(pl.col("run").is_in(baselines)).group_by(["aligned"], maintain_order=True):
+            noise = float(np.mean([_noise(g.sort("x")["v"].to_numpy()) for _, g in a.group_by("run")]))
+            band = a.group_by("x").agg(
+                pl.col("v").median().alias("c"), ((pl.col("v").max() - pl.col("v").min()) / 2).alias("spread"),
+                pl.col("std").median().alias("a_std"))
+            for run in runs:
+                j = vals.filter((pl.col("run") == run) & (pl.col("aligned") == key)).join(band, on="x").sort("x")
+                if j.height < 2:
+                    continue
+                gap = j["v"].to_numpy() - j["c"].to_numpy()
+                f = floor * j["a_std"].fill_null(0).to_numpy() if scale == "sigma" else np.full(len(gap), floor)
+                h = np.maximum.reduce([f, np.full(len(gap), sigmas * max(noise, _noise(gap))),
+                                       1.5 * j["spread"].to_numpy()])
+                found = _parting(gap, h, persist)
+                if found is not None:
+                    partings.append(_said(run, baselines, key, metric, j, gap, h, *found))
+                early = np.median(gap[:3])
+                if abs(early) > np.median(h[:3]):
+                    from_start.append(_said(run, baselines, key, metric, j, gap, h, 0, 0.0))
+    return Diff(sorted(partings, key=lambda p: (p.run, -p.significance, p.step)), unaligned,
+                sorted(from_start, key=lambda p: (p.run, -p.significance)))
+
+
+def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
+    """(index, the gap before) of the first reading from which the gap is more than `h` away from
+    its median over every reading before, for `persist` readings in a row (to the end, two at
+    least); None where it never moves so."""
+    for i in range(1, len(gap)):
+        before = float(np.median(gap[:i]))
+        away = np.abs(gap[i: i + persist] - before) > h[i: i + persist]
+        if away.all() and len(away) >= min(persist, 2):
+            return i, before
+    return None
+
+
+def _said(run, baselines, key, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> Parting:
+    """The Parting of reading `i` of the joined frame `j`; `before`: the gap it moved away from."""
+    scale = METRICS[metric][1]
+    to_value = (lambda z: 10 ** z) if scale == "log" else (lambda z: z)
+    away = np.abs(gap[i:] - before) > h[i:]
+    moved = np.abs(gap[i:] - before)[away] / h[i:][away]
+    return Parting(run, ",".join(baselines), key, j["layer"][i], int(j["layer_index"][i]), j["stream"][i], metric,
+                   int(j["step"][i]), float(to_value(j["c"][i])), float(to_value(j["v"][i])), float(h[i]),
+                   int(away.sum()), float(np.median(moved)) if len(moved) else float(abs(gap[i] - before) / h[i]))
+
+
+def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
+    lines = []
+    for run in runs:
+        first = d.first.get(run)
+        mine = [p for p in d.partings if p.run == run]
+        if first is None:
+            lines.append(f"{shown(run)}: no parting from the baseline: every aligned layer and metric stayed inside "
+                         "its band")
+        else:
+            lines.append(first.said())
+            for p in [p for p in mine if p is not first][:top]:
+                change, band = p.change()
+                lines.append(f"  also {shown(p.layer)} from step {p.step}: {change} (band {band}, {p.readings} "
+                             "readings)")
+            if len(mine) > top + 1:
+                lines.append(f"  … {len(mine) - top - 1} more parting(s): --format json lists them all")
+        start = [p for p in d.from_start if p.run == run]
+        if start:
+            lines.append(f"  from the first readings apart (as two seeds may be; seeds of the baseline tell: "
+                         f"diff A1 A2 -- B): " + "; ".join(f"{METRICS[p.metric][3]} in {shown(p.layer)}"
+                                                           for p in start[:5]) + (" …" if len(start) > 5 else ""))
+        if d.unaligned.get(run):
+            names = ", ".join(map(shown, d.unaligned[run][:10])) + (" …" if len(d.unaligned[run]) > 10 else "")
+            lines.append(f"  not compared: {len(d.unaligned[run])} layer(s) only one side has: {names} "
+                         "(a mapping file aligns them: --mapping)")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(d: Diff) -> str:
+    return json.dumps({"partings": [asdict(p) for p in d.partings], "first": {r: asdict(p) for r, p in d.first.items()},
+                       "from_start": [asdict(p) for p in d.from_start], "unaligned": d.unaligned}, indent=2) + "\n"
+
+
+def as_csv(d: Diff) -> str:
+    frame = pl.DataFrame([asdict(p) for p in d.partings], schema=list(Parting.__annotations__), orient="row") \
+        if d.partings else pl.DataFrame(schema=list(Parting.__annotations__))
+    return frame.write_csv()

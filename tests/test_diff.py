@@ -1,0 +1,108 @@
+"""`actrace diff` on runs whose parting is known by construction: the same seed and data until step
+K, then the learning rate ×20, parts at K; two seeds of one config never part; a PyTorch run and
+its ONNX export do not part, and layers only one of them reads are named."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from actrace.adapters.torch import Monitor
+
+K, STEPS, PROBE_EVERY = 100, 200, 10
+
+
+def train(path, *, seed=0, jump_at=None, export=None):
+    """A ReLU MLP on a fixed teacher task; `seed` draws its initialization and its batches."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(1234)
+    teacher, probe = torch.randn(16, 4, generator=g), torch.randn(128, 16, generator=g)
+    batches = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitor(model, probe, path, probe_every=PROBE_EVERY, run=path.stem) as mon:
+            for step in range(STEPS + 1):
+                if step == jump_at:
+                    for group in opt.param_groups:
+                        group["lr"] *= 20
+                x = torch.randn(32, 16, generator=batches)
+                loss = nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
+                opt.zero_grad()
+                loss.backward()
+                mon.step(step)
+                mon.log(step, loss=loss)
+                if export is not None and step % 50 == 0:
+                    model.eval()
+                    torch.onnx.export(model, (probe[:2],), export / f"step_{step}.onnx", input_names=["x"],
+                                      dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+                    model.train()
+                opt.step()
+    return probe
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("diff")
+    (d / "onnx").mkdir()
+    probe = train(d / "base.parquet", export=d / "onnx")
+    for seed in (1, 2):
+        train(d / f"seed{seed}.parquet", seed=seed)
+    train(d / "lr20.parquet", jump_at=K)
+    import numpy as np
+
+    from actrace.adapters.onnx import record_onnx
+
+    np.save(d / "probe.npy", probe.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        record_onnx(sorted((d / "onnx").glob("*.onnx")), d / "probe.npy", d / "onnx.parquet", run="onnx",
+                    op_types=["Relu", "Gemm"], progress=False)
+        record_onnx(sorted((d / "onnx").glob("*.onnx")), d / "probe.npy", d / "relus.parquet", run="relus",
+                    op_types=["Relu"], progress=False)
+    return d
+
+
+def test_a_raised_learning_rate_parts_where_it_was_raised_and_exits_one(runs, cli):
+    res = cli("diff", runs / "base.parquet", runs / "lr20.parquet", "--format", "json")
+    assert res.returncode == 1, res.stderr
+    answer = json.loads(res.stdout)
+    first = answer["first"]["lr20"]
+    assert K <= first["step"] <= K + PROBE_EVERY  # the same run until K: it parts at K, ± one reading
+    assert all(p["step"] >= K for p in answer["partings"])  # and nowhere before
+    assert {p["metric"] for p in answer["partings"]} >= {"grad_norm", "update_ratio"}
+    text = cli("diff", runs / "base.parquet", runs / "lr20.parquet").stdout
+    assert text.startswith(f"lr20 parts from base at step {first['step']} in {first['layer']}: ")
+
+
+def test_two_seeds_of_one_config_do_not_part(runs, cli):
+    for seed in ("seed1", "seed2"):
+        res = cli("diff", runs / "base.parquet", runs / f"{seed}.parquet")
+        assert res.returncode == 0 and "no parting from the baseline" in res.stdout, res.stdout
+
+
+def test_seeds_of_the_baseline_make_its_band_and_the_raised_rate_still_parts(runs, cli):
+    res = cli("diff", runs / "base.parquet", runs / "seed1.parquet", "--", runs / "lr20.parquet",
+              runs / "seed2.parquet", "--format", "json")
+    answer = json.loads(res.stdout)
+    assert res.returncode == 1 and set(answer["first"]) == {"lr20"}  # seed2 stays inside the seeds' band
+    assert K <= answer["first"]["lr20"]["step"] <= K + PROBE_EVERY and answer["first"]["lr20"]["baseline"] == \
+        "base,seed1"
+
+
+def test_a_pytorch_run_and_its_onnx_export_do_not_part_and_unread_layers_are_named(runs, cli):
+    res = cli("diff", runs / "base.parquet", runs / "onnx.parquet", runs / "relus.parquet", "--format", "json")
+    answer = json.loads(res.stdout)
+    assert answer["partings"] == [], answer["partings"]
+    assert answer["unaligned"]["onnx"] == [] and set(answer["unaligned"]["relus"]) == {"0", "2", "4"}  # the Gemms
+    text = cli("diff", runs / "base.parquet", runs / "relus.parquet").stdout
+    assert "not compared: 3 layer(s) only one side has" in text
+
+
+def test_diff_needs_a_run_to_compare(runs, cli):
+    res = cli("diff", runs / "base.parquet")
+    assert res.returncode == 2 and "give a baseline and at least one run" in res.stderr
