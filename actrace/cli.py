@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   actrace check runs/*.parquet --max-dead 0.2 --no-nan
   actrace diff runs/base.parquet runs/lr-x20.parquet      # where and when a run parts from a baseline
   actrace diff runs/seed*.parquet -- runs/new.parquet     # the baseline's band from several seeds
+  actrace sweep runs/width-*.parquet --by width           # µP-style coordinate check; rules along lr, …
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
 """
@@ -94,20 +95,21 @@ def emit(text: str, args, what: str) -> None:
 
 
 def cmd_summary(args) -> int:
-    from .analyzer.summary import format_comparison, format_findings, layer_table, machine_metrics
+    from .analyzer.summary import format_findings, format_parting, layer_table, machine_metrics
 
     a = analysis(args)
     if args.format != "text":
         emit(machine_metrics(a.metrics, args.format), args, f"{a.metrics.height} metric rows")
         return 0
     progress("comparing runs")
-    compared = a.compared(args.baseline)
+    parted = a.parted(args.baseline)
     print(format_findings(a.findings))
     print()
     print(layer_table(a.metrics))
-    if not compared.is_empty():
+    others = [m["run_name"] for m in a.runs if m["run_name"] != (args.baseline or a.baseline)]
+    if others:
         print()
-        print(format_comparison(compared))
+        print(format_parting(parted, args.baseline or a.baseline, others))
     return 0
 
 
@@ -172,6 +174,15 @@ def cmd_diff(args) -> int:
     emit({"text": lambda: as_text(d, runs), "json": lambda: as_json(d), "csv": lambda: as_csv(d)}[args.format](),
          args, f"{len(d.partings)} parting(s)")
     return 1 if d.partings else 0
+
+
+def cmd_sweep(args) -> int:
+    from .analyzer.sweep import as_json, as_text, sweep
+
+    a = analysis(args)
+    s = sweep(a.aligned, a.findings, a.runs, args.by)
+    emit(as_text(s) if args.format == "text" else as_json(s), args, f"the sweep over {args.by}")
+    return 0
 
 
 def cmd_validate(args) -> int:
@@ -352,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", nargs="+", default=["dead_fraction", "saturation_value", "std", "grad_norm",
                                                     "update_ratio"], metavar="METRIC",
                    help="metrics compared (also: mean, which depends on a layer's initialization)")
+    p = analyzer_command("sweep", "runs that differ in one config key: activation scale against it, where rules fire",
+                         cmd_sweep)
+    p.add_argument("--by", required=True, metavar="KEY", help="the config key the runs differ in (width, lr, …)")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("-o", "--output", help="write the answer here instead of stdout")
     p = analyzer_command("report", "write a self-contained offline HTML report", cmd_report)
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p = analyzer_command("summary", "findings and a per-layer table in the terminal", cmd_summary)

@@ -10,10 +10,10 @@ from pathlib import Path
 # JSON answer)
 SIGNATURES = {
     "report": ('<meta name="generator" content="actrace report">', "<title>actrace report</title>"),
-    "json": ('"rule":', '"dead_fraction":', '"passed":', '"partings":'),
+    "json": ('"rule":', '"dead_fraction":', '"passed":', '"partings":', '"also_differ":'),
     "csv": ("severity,rule,run,layer", "run,layer,layer_index,kind,stream,step", "run,baseline,aligned"),
     "junit": ('<testsuites name="actrace check"',),
-    "text": ("findings: ", "check: ", " parts from ", ": no parting from the baseline"),
+    "text": ("findings: ", "check: ", " parts from ", ": no parting from the baseline", "sweep over "),
 }
 
 

@@ -11,7 +11,8 @@ import polars as pl
 
 from actrace.reader import read_source
 
-from .compare import align, compare
+from .compare import align
+from .diff import Diff, diff
 from .findings import Finding, Rules, findings, findings_frame
 from .metrics import Thresholds, from_readings, readings, scalars
 
@@ -25,7 +26,7 @@ class Analysis:
     mapping: dict | None = None
     x: str = "step"
     th: Thresholds = Thresholds()
-    _compared: dict = field(default_factory=dict, repr=False)
+    _parted: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def findings(self) -> list[Finding]:
@@ -59,12 +60,16 @@ class Analysis:
                               .join(chosen, on=["run", "layer"], how="semi", maintain_order="left").drop("stream"))
         return pl.concat(frames) if frames else pl.DataFrame()
 
-    def compared(self, baseline: str | None = None) -> pl.DataFrame:
-        """The runs' largest differences from `baseline` (default: the first trace's run)."""
+    def parted(self, baseline: str | None = None) -> Diff:
+        """Where every other run parts from `baseline` (default: the first trace's run), as `actrace
+        diff` says: only differences outside the baseline's band."""
         baseline = baseline or self.baseline
-        if baseline not in self._compared:
-            self._compared[baseline] = compare(self.aligned, baseline, x=self.x)
-        return self._compared[baseline]
+        names = [meta.get("run_name") for meta in self.runs]
+        if baseline not in names:
+            raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
+        if baseline not in self._parted:
+            self._parted[baseline] = diff(self.aligned, [baseline], [n for n in names if n != baseline])
+        return self._parted[baseline]
 
 
 def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,

@@ -85,12 +85,6 @@ class Diff:
         return out
 
 
-def _noise(series: np.ndarray) -> float:
-    """A run's step-to-step noise: the robust spread of its first differences, per reading."""
-    d = np.diff(series[np.isfinite(series)])
-    return float(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2)) if len(d) >= 3 else 0.0
-
-
 def _values(df: pl.DataFrame, metric: str) -> pl.DataFrame:
     """run, aligned, layer, layer_index, stream, x, step, v (the metric on its comparison scale), std."""
     stream, scale, _, _ = METRICS[metric]
@@ -100,6 +94,20 @@ def _values(df: pl.DataFrame, metric: str) -> pl.DataFrame:
         v = pl.when(v.abs() > 0).then(v.abs().log10())
     return rows.select("run", "aligned", "layer", "layer_index", "stream", "x", "step", v.alias("v"), "std") \
         .filter(pl.col("v").is_finite())
+
+
+def noise(series: str, *by: str) -> pl.Expr:
+    """Per group of `by` (rows in x order), the step-to-step noise of a series: the robust spread of
+    its first differences, per reading; 0 with fewer than 3."""
+    d = pl.col(series).diff().over(*by)
+    return pl.when(d.count().over(*by) >= 3).then(
+        1.4826 * (d - d.median().over(*by)).abs().median().over(*by) / math.sqrt(2)).otherwise(0.0)
+
+
+def _noises(base: pl.DataFrame) -> pl.DataFrame:
+    """Per aligned layer, the baselines' step-to-step noise (averaged over the seeds)."""
+    return base.sort("run", "aligned", "x").with_columns(noise("v", "run", "aligned").alias("noise")) \
+        .group_by("run", "aligned").agg(pl.col("noise").first()).group_by("aligned").agg(pl.col("noise").mean())
 
 
 def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persist: int = 3,
@@ -116,25 +124,31 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
     for metric in metrics:
         _, scale, floor, _ = METRICS[metric]
         vals = _values(aligned, metric)
-        for (key,), a in vals.filter(pl.col("run").is_in(baselines)).group_by(["aligned"], maintain_order=True):
-            noise = float(np.mean([_noise(g.sort("x")["v"].to_numpy()) for _, g in a.group_by("run")]))
-            band = a.group_by("x").agg(
-                pl.col("v").median().alias("c"), ((pl.col("v").max() - pl.col("v").min()) / 2).alias("spread"),
-                pl.col("std").median().alias("a_std"))
-            for run in runs:
-                j = vals.filter((pl.col("run") == run) & (pl.col("aligned") == key)).join(band, on="x").sort("x")
-                if j.height < 2:
-                    continue
-                gap = j["v"].to_numpy() - j["c"].to_numpy()
-                f = floor * j["a_std"].fill_null(0).to_numpy() if scale == "sigma" else np.full(len(gap), floor)
-                h = np.maximum.reduce([f, np.full(len(gap), sigmas * max(noise, _noise(gap))),
-                                       1.5 * j["spread"].to_numpy()])
-                found = _parting(gap, h, persist)
-                if found is not None:
-                    partings.append(_said(run, baselines, key, metric, j, gap, h, *found))
-                early = np.median(gap[:3])
-                if abs(early) > np.median(h[:3]):
-                    from_start.append(_said(run, baselines, key, metric, j, gap, h, 0, 0.0))
+        a = vals.filter(pl.col("run").is_in(baselines))
+        if not a.height:
+            continue
+        band = a.group_by("aligned", "x").agg(
+            pl.col("v").median().alias("c"), ((pl.col("v").max() - pl.col("v").min()) / 2).alias("spread"),
+            pl.col("std").median().alias("a_std")).join(_noises(a), on="aligned")
+        joined = vals.filter(pl.col("run").is_in(runs)).join(band, on=["aligned", "x"]).sort("run", "aligned", "x") \
+            .with_columns((pl.col("v") - pl.col("c")).alias("gap")).with_columns(
+                pl.max_horizontal(pl.col("noise"), noise("gap", "run", "aligned")).alias("noise"))
+        # numbers as arrays once, each (run, aligned layer) a slice of them: thousands of layers stay cheap
+        gaps = (joined["v"] - joined["c"]).to_numpy()
+        floors = floor * joined["a_std"].fill_null(0).to_numpy() if scale == "sigma" else np.full(len(gaps), floor)
+        spread, noises = 1.5 * joined["spread"].to_numpy(), joined["noise"].to_numpy()
+        group = (joined["run"] + "\x00" + joined["aligned"]).rle_id().to_numpy()
+        bounds = np.flatnonzero(np.diff(group)) + 1
+        for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(gaps)]])):
+            if hi - lo < 2:
+                continue
+            gap = gaps[lo:hi]
+            h = np.maximum.reduce([floors[lo:hi], np.full(hi - lo, sigmas * noises[lo]), spread[lo:hi]])
+            found = _parting(gap, h, persist)
+            if found is not None:
+                partings.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, *found))
+            if abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]:  # medians
+                from_start.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, 0, 0.0))
     return Diff(sorted(partings, key=lambda p: (p.run, -p.significance, p.step)), unaligned,
                 sorted(from_start, key=lambda p: (p.run, -p.significance)))
 
@@ -142,17 +156,22 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
 def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
     """(index, the gap before) of the first reading from which the gap is more than `h` away from
     its median over every reading before, for `persist` readings in a row (to the end, two at
-    least); None where it never moves so."""
-    for i in range(1, len(gap)):
+    least); None where it never moves so. Candidates are the readings at least half a band from the
+    mean before (one pass over all), and the median decides (a pass only for each candidate)."""
+    n = len(gap)
+    mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
+    for i in np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1:
         before = float(np.median(gap[:i]))
         away = np.abs(gap[i: i + persist] - before) > h[i: i + persist]
         if away.all() and len(away) >= min(persist, 2):
-            return i, before
+            return int(i), before
     return None
 
 
-def _said(run, baselines, key, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> Parting:
-    """The Parting of reading `i` of the joined frame `j`; `before`: the gap it moved away from."""
+def _said(baselines, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> Parting:
+    """The Parting at reading `i` of one run's and layer's joined frame `j`; `before`: the gap it
+    moved away from."""
+    run, key = j["run"][0], j["aligned"][0]
     scale = METRICS[metric][1]
     to_value = (lambda z: 10 ** z) if scale == "log" else (lambda z: z)
     away = np.abs(gap[i:] - before) > h[i:]

@@ -138,10 +138,24 @@ def _finding(severity, rule, run, layer, step, evidence, *, score=0.0, stream="a
                    num(value), num(threshold), whole(first), whole(last), whole(index))
 
 
+_READINGS = ("step", "layer_index", "kind", "dead_fraction", "saturation_value", "saturation_unit", "mean", "std",
+             "nan_count", "inf_count")
+
+
 def _per_layer(m: pl.DataFrame, stream: str):
+    """(run, layer, its readings in step order): each a dict of numpy arrays (nulls NaN), sliced from
+    arrays made once for every layer, so thousands of layers cost one conversion, not thousands."""
     acts = m.filter(pl.col("stream") == stream).sort("run", "layer_index", "layer", "step")
-    for (run, layer), g in acts.group_by(["run", "layer"], maintain_order=True):
-        yield run, layer, g
+    if not acts.height:
+        return
+    cols = {c: acts[c].to_numpy() if c == "kind" else acts[c].cast(pl.Float64).fill_null(np.nan).to_numpy()
+            for c in _READINGS}
+    cols["step"] = acts["step"].to_numpy()
+    runs, layers = acts["run"].to_list(), acts["layer"].to_list()
+    group = (acts["run"] + "\x00" + acts["layer"]).rle_id().to_numpy()
+    bounds = np.flatnonzero(np.diff(group)) + 1
+    for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(group)]])):
+        yield runs[lo], layers[lo], {c: v[lo:hi] for c, v in cols.items()}
 
 
 def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, t: float) -> str:
@@ -163,14 +177,14 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
 def _dead(run, layer, g, r: Rules) -> Finding | None:
     """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope); else
     dead_high: many units dead, stable since the step it reached that level."""
-    steps, dead = g["step"].to_numpy(), g["dead_fraction"].fill_null(np.nan).to_numpy()
+    steps, dead = g["step"], g["dead_fraction"]
     known = ~np.isnan(dead)
     if not known.any() or not known[-1]:
         return None
     s, d = steps[known], dead[known]
     i = recent(s)
     rise = theil_sen(s[i:], d[i:]) * (s[-1] - s[i])
-    index = g["layer_index"][0]
+    index = int(g["layer_index"][0])
     if rise >= r.dead_growth and d[-1] - d[i] >= r.dead_growth / 2:
         start = onset(s, d)
         return _finding("critical", "dead_growing", run, layer, s[start],
@@ -189,10 +203,10 @@ def _dead(run, layer, g, r: Rules) -> Finding | None:
 def _saturation(run, layer, g, r: Rules, what, advice) -> Finding | None:
     """saturation_spike: the saturated share jumped between two readings to above max_saturation
     (max_gate_saturation for a recurrent gate); else saturation_high: above it at the last reading."""
-    steps, sat = g["step"].to_numpy(), g["saturation_value"].fill_null(np.nan).to_numpy()
+    steps, sat = g["step"], g["saturation_value"]
     if not len(sat) or np.isnan(sat).all():
         return None
-    index, limit = g["layer_index"][0], r.max_gate_saturation if _gate(what) else r.max_saturation
+    index, limit = int(g["layer_index"][0]), r.max_gate_saturation if _gate(what) else r.max_saturation
     jumps = np.diff(sat)
     landed = (jumps >= r.saturation_spike) & (sat[1:] > limit)
     if landed.any():
@@ -215,16 +229,16 @@ def _saturation(run, layer, g, r: Rules, what, advice) -> Finding | None:
 
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
-    names = {run: set(g["layer"]) for (run,), g in m.group_by(["run"])}
+    names = {run: set(layers) for run, layers in m.group_by("run").agg(pl.col("layer").unique()).iter_rows()}
     for run, layer, g in _per_layer(m, "activation"):
         what = describe(layer, names[run])
         if what and what[1].startswith("final"):
             continue  # a final state is the last step of its sequence, judged there
         advice = GATE_ADVICE if _gate(what) else None
-        index = g["layer_index"][0]
+        index = int(g["layer_index"][0])
         out += [f for f in (_dead(run, layer, g, r), _saturation(run, layer, g, r, what, advice)) if f]
-        steps = g["step"].to_numpy()
-        pinned = g["saturation_unit"].fill_null(np.nan).to_numpy()
+        steps = g["step"]
+        pinned = g["saturation_unit"]
         if len(pinned) and pinned[-1] > r.max_saturation_units:
             start = steps[np.argmax(pinned > r.max_saturation_units)]
             out.append(_finding("warning", "units_pinned", run, layer, start,
@@ -232,9 +246,8 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
                                 f"step {start}", score=pinned[-1], advice=advice, value=pinned[-1],
                                 threshold=r.max_saturation_units, first=start, last=steps[-1], index=index))
-        clean = (g["nan_count"] + g["inf_count"] == 0).to_numpy()  # NaN readings are nan_inf's business
-        std = g["std"].fill_null(np.nan).to_numpy()[clean]
-        mean = g["mean"].fill_null(np.nan).to_numpy()[clean]
+        clean = g["nan_count"] + g["inf_count"] == 0  # NaN readings are nan_inf's business
+        std, mean = g["std"][clean], g["mean"][clean]
         steps = steps[clean]
         if len(std) >= 2 and std[0] > 0 and std[-1] < r.collapse_ratio * std[0]:
             start = steps[np.argmax(std < r.collapse_ratio * std[0])]
@@ -257,11 +270,14 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
 def _layer_norms(g: pl.DataFrame) -> tuple[np.ndarray, list[tuple[int, str]], np.ndarray, np.ndarray]:
     """A run's gradient readings as arrays: steps, the layers in depth order, and per (step, layer)
     the L2 norm and the RMS (norm over √values, which compares layers of different sizes)."""
-    wide = g.pivot(on="layer", index="step", values=["grad_norm", "values"], aggregate_function="first").sort("step")
     depth = sorted(set(zip(g["layer_index"].to_list(), g["layer"].to_list())))
-    norm = np.column_stack([wide[f"grad_norm_{l}"].fill_null(np.nan).to_numpy() for _, l in depth])
-    count = np.column_stack([wide[f"values_{l}"].fill_null(np.nan).to_numpy() for _, l in depth])
-    return wide["step"].to_numpy(), depth, norm, norm / np.sqrt(np.maximum(count, 1))
+    column = {layer: i for i, (_, layer) in enumerate(depth)}
+    steps, row = np.unique(g["step"].to_numpy(), return_inverse=True)
+    col = np.array([column[layer] for layer in g["layer"].to_list()])
+    norm, count = np.full((len(steps), len(depth)), np.nan), np.full((len(steps), len(depth)), np.nan)
+    norm[row, col] = g["grad_norm"].fill_null(np.nan).to_numpy()
+    count[row, col] = g["values"].fill_null(np.nan).to_numpy()
+    return steps, depth, norm, norm / np.sqrt(np.maximum(count, 1))
 
 
 def _vanishing(run, steps, depth, norm, rms, r: Rules) -> Finding | None:

@@ -1,34 +1,35 @@
-"""`actrace report`: one self-contained, offline HTML page of findings, charts and run metadata.
+"""`actrace report`: one self-contained, offline HTML page, for one run or two hundred.
 
-The Vega/Vega-Lite/vega-embed JavaScript is inlined (vl-convert ships it), so no request leaves
-the page. Every name from a trace is untrusted: HTML tables escape it, and chart specs are
-embedded as JSON with `<` escaped so no string can close the script element.
+`build_report` chooses what the page shows (`choose`: the runs' order, the finding it opens on, how
+many steps each chart can carry), draws each section from its own frame (`draw`), and assembles the
+page (`analyzer.page`). The first screen leads with the most urgent finding and an overview of runs ×
+rules; a click there opens a run in every chart; a filter narrows the runs by name or config. The
+Vega/Vega-Lite/vega-embed JavaScript is inlined (vl-convert ships it), so no request leaves the page.
 """
 from __future__ import annotations
 
-import html
-import warnings
 import json
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
 from actrace import bins
 from actrace.recurrent import describe
-from . import charts
+
+from . import charts, page
 from .analysis import Analysis
-from .findings import Finding, group
+from .diff import as_text
+from .findings import SEVERITY_RANK, Finding, group
 from .metrics import last_reading
 
-# one legend selection drives the runs' highlight in every trend chart: Altair says it merged them
-warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
-
-MAX_STEPS = 60           # heatmap columns per run
-MAX_TREND_STEPS = 40     # points per run on a trend line
-MAX_HIST_PAIRS = 12      # (run, layer) histograms embedded: layers with findings first
-MAX_HIST_STEPS = 24
-SIG_DIGITS = 3           # floats in the embedded data: what a chart or a tooltip resolves
+SIG_DIGITS = 3            # floats in the embedded data: what a chart or a tooltip resolves
+HEAT_ROWS = 80_000        # (run, layer, step) rows of the heatmaps together: about 3 MiB of page at any fleet size
+MAX_STEPS, MIN_STEPS = 60, 12
+MAX_TREND_STEPS, MAX_TREND_RUNS = 40, 12  # runs overlaid in the trends: the baseline and the worst; all runs
+#                                           are in the small multiples
+MAX_HIST_PAIRS, MAX_HIST_STEPS = 12, 24
+MULTIPLE_ROWS = 24_000    # points of the small multiples together
 
 
 def _compact(df: pl.DataFrame) -> pl.DataFrame:
@@ -71,209 +72,256 @@ def histogram_frame(hist: pl.DataFrame) -> pl.DataFrame:
     ).select("pair", "step", "bin", "bin_label", "count", "share")
 
 
-def _table(rows: list[dict], columns: list[str], cls: str = "") -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in columns) + "</tr>"
-                   for r in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
 def _spec_json(chart) -> str:
-    return json.dumps(chart.to_dict()).replace("<", "\\u003c").replace("\u2028", "\\u2028")
+    return json.dumps(chart.to_dict()).replace("<", "\\u003c")
 
 
-PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="actrace report"><title>actrace report</title>
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; img-src data:">
-<style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
-h1 {{ margin-bottom: 0 }} h2 {{ margin-top: 32px; border-bottom: 1px solid #ddd }}
-table {{ border-collapse: collapse; margin: 8px 0 }} td, th {{ padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top }}
-th {{ background: #f4f4f4 }} .critical td:first-child {{ color: #b00020; font-weight: 600 }}
-tr.critical td:first-child {{ color: #b00020; font-weight: 600 }} tr.warning td:first-child {{ color: #a65f00; font-weight: 600 }}
-.muted {{ color: #777 }} .chart {{ margin: 12px 0 }}
-</style>
-<script>{bundle}</script></head>
-<body>
-<h1>actrace report</h1>
-<p class="muted">{subtitle}</p>
-<h2>Findings</h2>
-{findings}
-{comparison}
-{sections}
-<h2>Runs</h2>
-{runs}
-<script>
-const specs = {specs};
-for (const [id, spec] of Object.entries(specs)) {{
-  vegaEmbed('#' + id, spec, {{actions: false, renderer: 'svg'}}).catch(e => {{
-    document.getElementById(id).textContent = 'chart failed: ' + e; console.error(e); }});
-}}
-</script>
-</body></html>
-"""
+@dataclass
+class Choice:
+    """What the page shows, decided once from the analysis."""
+
+    baseline: str
+    menu_runs: list[str]      # the menus' order: the baseline, then the runs as given
+    ranked_runs: list[str]    # worst first: by their worst finding's severity, then its score
+    focus: Finding | None     # the finding the page opens on
+    focus_aligned: str | None
+    heat_steps: int           # steps per run the heatmaps carry
+    colors: object            # one colour per run (charts.run_colors)
+    search: dict[str, str]    # run → the text the filter matches: its name and config
 
 
-def _findings_html(found: list[Finding]) -> str:
-    """One row per rule and run (its most urgent finding), the other layers behind a disclosure."""
-    if not found:
-        return "<p>No findings: every rule stayed silent.</p>"
-    rows = []
-    for g in group(found):
-        f = g.first
-        layer = html.escape(f.layer)
-        if g.others:
-            more = ", ".join(html.escape(f"{o.layer} (step {o.step})") for o in g.others)
-            layer += f"<details><summary>+{len(g.others)} more layers</summary>{more}</details>"
-        cells = [html.escape(str(v)) for v in (f.severity, f.rule, f.run)] + [layer] + \
-                [html.escape(str(v)) for v in (f.step if f.step >= 0 else "–", f.evidence, f.advice)]
-        rows.append(f'<tr class="{f.severity}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    head = "".join(f"<th>{c}</th>" for c in ("severity", "rule", "run", "layer", "since step", "evidence",
-                                             "what people usually do"))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+def choose(analysis: Analysis, baseline: str | None) -> Choice:
+    found = analysis.findings
+    first = baseline or analysis.baseline
+    names = [r.get("run_name") for r in analysis.runs]
+    menu = [first] + [n for n in names if n != first]
+    worst = {}
+    for f in found:
+        worst.setdefault(f.run, (SEVERITY_RANK[f.severity], -f.score))
+    ranked = sorted(names, key=lambda n: (*worst.get(n, (len(SEVERITY_RANK), 0.0)), names.index(n)))
+    focus = next((f for f in found if f.severity == "critical" and f.step >= 0),
+                 next((f for f in found if f.step >= 0), None))
+    focus_aligned = None
+    if focus is not None:
+        hit = analysis.aligned.filter((pl.col("run") == focus.run) & (pl.col("layer") == focus.layer))["aligned"]
+        focus_aligned = hit[0] if hit.len() else None
+    layers = analysis.metrics.select("run", "layer").unique().height
+    heat_steps = int(np.clip(HEAT_ROWS / max(layers, 1), MIN_STEPS, MAX_STEPS))
+    search = {r.get("run_name"): f"{r.get('run_name')} {r.get('config', '')}" for r in analysis.runs}
+    return Choice(first, menu, ranked, focus, focus_aligned, heat_steps, charts.run_colors(menu), search)
 
 
-def _comparison_html(compared: pl.DataFrame | None, per_metric: int = 5) -> str:
-    """The layers that differ most from the baseline run, per metric."""
-    if compared is None or compared.is_empty():
-        return ""
-    rows = [dict(r, value=f"{r['value']:.3g}", baseline_value=f"{r['baseline_value']:.3g}",
-                 difference=f"{r['difference']:+.3g}")
-            for r in compared.group_by("metric", maintain_order=True).head(per_metric).iter_rows(named=True)]
-    return (f"<h2>Differences from the baseline run {html.escape(compared['baseline'][0])}</h2>"
-            "<p class='muted'>Mean over the aligned steps; for std and gradient norm the difference is in "
-            "orders of magnitude (log10 ratio).</p>"
-            + _table(rows, ["metric", "run", "aligned", "stream", "value", "baseline_value", "difference",
-                            "points"]))
+@dataclass
+class Section:
+    chart_id: str
+    title: str
+    note: str
+    chart: object
 
 
-def _recurrent(acts: pl.DataFrame) -> pl.DataFrame:
-    """The activation readings of recurrent layers (spec §Recurrent layers: a module with a final
-    hidden state `MODULE.lK.h_n`), in forward order."""
-    names = set(acts["layer"])
-    own = [name for name in names if describe(name, names)]
-    return _compact(acts.filter(pl.col("layer").is_in(own)).select("run", "layer", "layer_index", "step", "saturation_value",
-                                            "saturation_unit"))
+def _overview(analysis: Analysis, c: Choice) -> Section:
+    rows = [{"run": g.first.run, "rule": g.first.rule, "severity": g.first.severity, "layers": len(g.layers),
+             "step": g.first.step, "evidence": g.first.evidence} for g in group(analysis.findings)]
+    seen = {r["run"] for r in rows}
+    rows += [{"run": r, "rule": "no finding", "severity": "no finding", "layers": 0, "step": -1,
+              "evidence": "every rule stayed silent"} for r in c.ranked_runs if r not in seen]
+    rules = sorted({r["rule"] for r in rows}, key=lambda rule: (
+        min(SEVERITY_RANK.get(r["severity"], 3) for r in rows if r["rule"] == rule), rule == "no finding", rule))
+    df = pl.DataFrame(rows).with_columns(pl.col("run").replace_strict(c.search, default="").alias("search"))
+    return Section("overview", "Overview", "Every run against every rule that fired, the worst run first; grey: "
+                   "no finding. Click a cell to open that run below.", charts.overview_matrix(df, rules, c.ranked_runs))
 
 
-def _loss_marks(analysis: Analysis) -> tuple[pl.DataFrame, pl.DataFrame] | None:
-    """The runs' logged loss (finite values, thinned) and their findings placed on it, or None."""
-    loss = analysis.scalars.filter((pl.col("name") == "loss") & pl.col("value").is_finite()).select(
-        "run", "step", "value")
+def _multiples(analysis: Analysis, c: Choice) -> Section | None:
+    """Per run and step: the loss, and the worst layer's dead fraction, saturation and the total gradient norm."""
+    m = analysis.metrics
+    parts = [analysis.scalars.filter(pl.col("name") == "loss").select("run", "step", pl.lit("loss").alias("metric"),
+                                                                       "value")]
+    acts = m.filter(pl.col("stream") == "activation").group_by("run", "step").agg(
+        pl.col("dead_fraction").max().alias("dead_fraction"), pl.col("saturation_value").max().alias("saturation"))
+    parts += [acts.select("run", "step", pl.lit(name).alias("metric"), pl.col(name).alias("value"))
+              for name in ("dead_fraction", "saturation")]
+    parts.append(m.filter(pl.col("stream") == "param_grad").group_by("run", "step").agg(
+        (pl.col("grad_norm") ** 2).sum().sqrt().alias("value")).select("run", "step", pl.lit("grad_norm").alias(
+            "metric"), "value"))
+    df = pl.concat(parts).filter(pl.col("value").is_finite())
+    if df["run"].n_unique() < 2:
+        return None
+    steps = int(np.clip(MULTIPLE_ROWS / (4 * df["run"].n_unique()), 8, 40))
+    df = _compact(pl.concat([_thin_steps(g, steps) for _, g in df.group_by("metric", maintain_order=True)])
+                  .sort("run", "metric", "step"))
+    shown = [(k, t) for k, t in (("loss", "training loss"), ("dead_fraction", "worst layer's dead fraction"),
+                                 ("saturation", "worst layer's saturation"), ("grad_norm", "total gradient norm"))
+             if k in set(df["metric"])]
+    return Section("multiples", "Every run at a glance", "One small chart per run, the worst first, of one metric "
+                   "(menu) over its steps; each with its own scale.", charts.small_multiples(
+                       df, shown, c.ranked_runs, pl.DataFrame({"run": list(c.search), "search": list(c.search.values())})))
+
+
+def _loss(analysis: Analysis, c: Choice) -> Section | None:
+    """The runs' logged loss (finite values, thinned) with their findings placed on it."""
+    loss = analysis.scalars.filter((pl.col("name") == "loss") & pl.col("value").is_finite()
+                                   & pl.col("run").is_in(_overlaid(c))).select("run", "step", "value")
     if not loss.height:
         return None
     found = analysis.findings_frame.filter(pl.col("severity").is_in(["critical", "warning"]) & (pl.col("step") >= 0))
     marks = found.select("run", "rule", "layer", "step", "severity", "evidence").sort("run", "step").join_asof(
         loss.sort("run", "step"), on="step", by="run", strategy="nearest", check_sortedness=False).drop_nulls("value")
-    return _compact(_thin_steps(loss, 4 * MAX_TREND_STEPS)), _compact(marks)
+    more = " The baseline and the worst runs; every run's loss is in the small multiples." \
+        if loss["run"].n_unique() < len(c.menu_runs) and len(c.menu_runs) > MAX_TREND_RUNS else ""
+    return Section("loss", "Loss and findings", "The training loss each run logged (`monitor.log(step, loss=...)`, "
+                   "or its trainer's), every finding marked at the step it starts: a gradient norm that grows while "
+                   f"the loss falls is a net learning; one that grows while the loss rises is not.{more}",
+                   charts.loss_with_findings(_compact(_thin_steps(loss, 4 * MAX_TREND_STEPS)), _compact(marks),
+                                             c.colors))
+
+
+def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
+    a = analysis.aligned
+    acts = _thin_steps(a.filter(pl.col("stream") == "activation"), c.heat_steps)
+    grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), c.heat_steps)
+    heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value")
+    if grads.height:  # one row per (run, layer, step), its three numbers side by side
+        heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm"),
+                         on=["run", "layer", "layer_index", "step"], how="full", coalesce=True, maintain_order="left")
+    if not heat.height:
+        return None
+    return Section("heatmaps", "Layers × steps", "Per run (menu, or a click on the overview): dead fraction, saturated "
+                   "share of values and gradient norm for every layer and step. Layers run from input (top) to output.",
+                   charts.layer_heatmaps(_compact(heat), [
+                       ("dead_fraction", "dead fraction", "#b2182b", "no activation readings in this run"),
+                       ("saturation_value", "saturation (values)", "#d94801",
+                        "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
+                       ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)")],
+                       c.menu_runs, default_run=c.focus.run if c.focus else c.baseline))
+
+
+def _recurrent(analysis: Analysis, c: Choice) -> Section | None:
+    """The activation readings of recurrent layers (spec §Recurrent layers: a module with a final
+    hidden state `MODULE.lK.h_n`), in forward order."""
+    acts = _thin_steps(analysis.aligned.filter(pl.col("stream") == "activation"), c.heat_steps)
+    names = set(acts["layer"])
+    own = [name for name in names if describe(name, names)]
+    recurrent = _compact(acts.filter(pl.col("layer").is_in(own)).select(
+        "run", "layer", "layer_index", "step", "saturation_value", "saturation_unit"))
+    if not recurrent.height:
+        return None
+    default = next((f.run for f in analysis.findings if f.layer in set(recurrent["layer"])), c.baseline)
+    return Section("recurrent", "Recurrent layers", "Per run (menu): each recurrent layer's gates, hidden state and "
+                   "final states together, by layer and direction. A gate pinned open or closed for every input, or a "
+                   "hidden state piling at ±1, carries no information.", charts.layer_heatmaps(recurrent, [
+                       ("saturation_value", "saturation (values)", "#d94801", "no recurrent layer in this run"),
+                       ("saturation_unit", "units pinned for every input", "#7f2704", "no recurrent layer in this run")],
+                       c.menu_runs, default_run=default, menu="recurrent_run"))
+
+
+def _trends(analysis: Analysis, c: Choice) -> Section | None:
+    overlaid = _overlaid(c)
+    a = analysis.aligned.filter(pl.col("run").is_in(overlaid))
+    src = _compact(pl.concat([_thin_steps(a.filter(pl.col("stream") == s), MAX_TREND_STEPS)
+                              for s in ("activation", "param_grad")], how="diagonal_relaxed").select(
+        "run", "layer", "layer_index", "aligned", "x", "step", "dead_fraction", "sparsity", "saturation_value",
+        "grad_norm"))
+    if not src.height:
+        return None
+    more = f" The baseline and the {len(overlaid) - 1} worst runs are overlaid; every run is in the small " \
+        "multiples." if len(overlaid) < len(c.menu_runs) else ""
+    return Section("trends", "Trends", "Per layer (menu, aligned across runs): runs overlaid; click a run in the legend "
+                   "to highlight it. Saturation exists for bounded kinds only (tanh, sigmoid, …), gradient norms for "
+                   f"layers with parameters only.{more}", charts.trend_lines(
+                       src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
+                             ("saturation_value", "saturation (values)"), ("grad_norm", "gradient norm")],
+                       "fraction of training" if analysis.x == "progress" else "step", c.colors,
+                       default_layer=c.focus_aligned,
+                       why={"saturation_value": "not a bounded kind: no saturation",
+                            "grad_norm": "no parameters, or no gradient readings",
+                            "dead_fraction": "no activation readings", "sparsity": "no activation readings"}))
+
+
+def _overlaid(c: Choice) -> list[str]:
+    """The runs a chart overlays: the baseline, the run it opens on, then the worst."""
+    return list(dict.fromkeys([c.baseline] + ([c.focus.run] if c.focus else []) + c.ranked_runs))[:MAX_TREND_RUNS]
+
+
+def _profile(analysis: Analysis, c: Choice) -> Section | None:
+    grads = analysis.metrics.filter((pl.col("stream") == "param_grad") & pl.col("run").is_in(_overlaid(c)))
+    if not grads.height:
+        return None
+    last = _compact(last_reading(grads, "run").select("run", "layer", "layer_index", "step", "grad_norm"))
+    return Section("profile", "Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the "
+                   "input. Exploding: above 1 and rising.", charts.gradient_profile(last, c.colors))
+
+
+def _histogram(analysis: Analysis, c: Choice) -> Section | None:
+    flagged = ([(c.focus.run, c.focus.layer)] if c.focus else []) + [(f.run, f.layer) for f in analysis.findings
+                                                                     if f.stream == "activation"]
+    pairs = list(dict.fromkeys(flagged))[:MAX_HIST_PAIRS]
+    if not pairs:  # no finding on an activation: the first run's layers
+        pairs = [tuple(r) for r in analysis.metrics.filter((pl.col("run") == c.baseline) & (pl.col("stream") ==
+                 "activation")).select("run", "layer").unique(maintain_order=True).rows()][:MAX_HIST_PAIRS]
+    hist = _compact(histogram_frame(analysis.histograms(pairs)))
+    if not hist.height:
+        return None
+    return Section("histogram", "Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins "
+                   f"of their own), for {len(pairs)} layer(s) with findings; every reading's histogram is in the "
+                   "traces' `hist` column.", charts.histogram_over_time(
+                       hist, f"{c.focus.run} · {c.focus.layer}" if c.focus else None))
+
+
+SECTIONS = [("drawing the overview", _overview), ("drawing the loss", _loss), ("drawing heatmaps", _heatmaps),
+            ("drawing recurrent layers", _recurrent), ("drawing every run", _multiples), ("drawing trends", _trends),
+            ("drawing the gradient profile", _profile), ("reading histograms", _histogram)]
+
+
+def draw(analysis: Analysis, c: Choice, progress=lambda msg: None) -> list[Section]:
+    """Every section the analysis has something for, in the page's order."""
+    import altair as alt
+
+    alt.data_transformers.disable_max_rows()
+    out = []
+    for what, make in SECTIONS:
+        progress(what)
+        made = make(analysis, c)
+        if made is not None:
+            out.append(made)
+    return out
+
+
+def assemble(analysis: Analysis, c: Choice, sections: list[Section]) -> str:
+    """The page: the lead and the overview first, the diff view after the charts of one run."""
+    import vl_convert
+    from altair.utils._importers import vl_version_for_vl_convert
+
+    found = analysis.findings
+    others = [r for r in c.menu_runs if r != c.baseline]
+    parted = analysis.parted(c.baseline)
+    texts = {r: as_text(parted, [r]) for r in others}
+    chosen = c.focus.run if c.focus and c.focus.run in texts else (others[0] if others else None)
+    html_of = {s.chart_id: page.section(s.chart_id, s.title, s.note) for s in sections}
+    body = [page.findings_table(found, c.search) if len(group(found)) <= 30 else
+            f"<details><summary>All findings ({len(group(found))} groups of rule and run)</summary>"
+            f"{page.findings_table(found, c.search)}</details>"]
+    body += [html_of[k] for k in ("loss", "heatmaps", "recurrent") if k in html_of]
+    body.append(page.diff_view(texts, c.baseline, chosen))
+    body += [html_of[k] for k in ("multiples", "trends", "profile", "histogram") if k in html_of]
+    runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",
+             "adapter": meta.get("adapter"), "status": meta.get("status"), "mode": meta.get("mode"),
+             "probe": meta.get("probe_fingerprint"), "created": meta.get("created"), "host": meta.get("host"),
+             "config": meta.get("config"), "file": meta["file"]} for meta in analysis.runs]
+    n_layers = analysis.metrics.select("run", "layer").unique().height
+    return page.page(
+        bundle=vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert()),
+        subtitle=f"{len(analysis.runs)} run(s), {n_layers} layer readings series, {len(found)} finding(s)",
+        lead=page.urgent(found, len(analysis.runs)), overview=html_of.get("overview", ""), body="\n".join(body),
+        runs_table=page.table(runs, ["run", "framework", "adapter", "status", "mode", "probe", "created", "host",
+                                     "config", "file"], cls="runs", run_key="run", search=c.search),
+        specs={s.chart_id: _spec_json(s.chart) for s in sections},
+        first=c.focus.run if c.focus else None)
 
 
 def build_report(analysis: Analysis, *, baseline: str | None = None, progress=lambda msg: None) -> str:
     """The report of an analysis as one HTML page, runs compared with `baseline` (default: the first)."""
-    import altair as alt
-    import vl_convert
-    from altair.utils._importers import vl_version_for_vl_convert
-
-    alt.data_transformers.disable_max_rows()
-    m, found, x = analysis.metrics, analysis.findings, analysis.x
-    progress("aligning runs")
-    a = analysis.aligned
-    compared = analysis.compared(baseline)
-    acts = _thin_steps(a.filter(pl.col("stream") == "activation"), MAX_STEPS)
-    grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), MAX_STEPS)
-    heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value")
-    if grads.height:
-        heat = pl.concat([heat, grads.select("run", "layer", "layer_index", "step", "grad_norm")],
-                         how="diagonal_relaxed")
-    heat = _compact(heat)
-    # the menus open on the baseline, then the runs in the order given
-    first = baseline or analysis.baseline
-    runs = [first] + [r.get("run_name") for r in analysis.runs if r.get("run_name") != first]
-    specs, sections = {}, []
-    focus = next((f for f in found if f.rule.startswith(("dead", "saturation"))), found[0] if found else None)
-    focus_aligned = None
-    if focus is not None:
-        hit = a.filter((pl.col("run") == focus.run) & (pl.col("layer") == focus.layer))["aligned"]
-        focus_aligned = hit[0] if hit.len() else None
-
-    def section(title: str, note: str, chart_id: str, chart) -> None:
-        specs[chart_id] = _spec_json(chart)
-        sections.append(f"<h2>{html.escape(title)}</h2><p class='muted'>{note}</p>"
-                        f"<div id='{chart_id}' class='chart'></div>")
-
-    progress("drawing the loss")
-    loss = _loss_marks(analysis)
-    if loss is not None:
-        section("Loss and findings", "The training loss each run logged (`monitor.log(step, loss=...)`, or its "
-                "trainer's), with every finding marked at the step it starts: a gradient norm that grows while the "
-                "loss falls is a net learning; one that grows while the loss rises is not.", "loss",
-                charts.loss_with_findings(*loss))
-    progress("drawing heatmaps")
-    if heat.height:
-        section("Layers × steps", "Per run (menu): dead fraction, saturated share of values and gradient norm "
-                "for every layer and step. Layers run from input (top) to output.", "heatmaps",
-                charts.layer_heatmaps(heat, [
-                    ("dead_fraction", "dead fraction", "#b2182b", "no activation readings in this run"),
-                    ("saturation_value", "saturation (values)", "#d94801",
-                     "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
-                    ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)")],
-                    runs, default_run=focus.run if focus else first))
-    recurrent = _recurrent(acts)
-    if recurrent.height:
-        section("Recurrent layers", "Per run (menu): each recurrent layer's gates, hidden state and final states "
-                "together, by layer and direction. A gate pinned open or closed for every input, or a hidden state "
-                "piling at ±1, carries no information.", "recurrent",
-                charts.layer_heatmaps(recurrent, [
-                    ("saturation_value", "saturation (values)", "#d94801", "no recurrent layer in this run"),
-                    ("saturation_unit", "units pinned for every input", "#7f2704", "no recurrent layer in this run")],
-                    runs, default_run=next((f.run for f in found if f.layer in set(recurrent["layer"])), first),
-                    menu="recurrent_run"))
-    progress("drawing trends")
-    trend_src = _compact(pl.concat([_thin_steps(acts, MAX_TREND_STEPS), _thin_steps(grads, MAX_TREND_STEPS)],
-                                   how="diagonal_relaxed").select(
-        "run", "layer", "layer_index", "aligned", "x", "step", "dead_fraction", "sparsity", "saturation_value",
-        "grad_norm"))
-    if trend_src.height:
-        section("Trends", "Per layer (menu, aligned across runs): runs overlaid; click a run in the legend "
-                "to highlight it. Saturation exists for bounded kinds only (tanh, sigmoid, …), gradient norms for "
-                "layers with parameters only.", "trends",
-                charts.trend_lines(trend_src, [("dead_fraction", "dead fraction"), ("sparsity", "sparsity (not death)"),
-                                               ("saturation_value", "saturation (values)"),
-                                               ("grad_norm", "gradient norm")],
-                                   "fraction of training" if x == "progress" else "step", default_layer=focus_aligned,
-                                   why={"saturation_value": "not a bounded kind: no saturation",
-                                        "grad_norm": "no parameters, or no gradient readings",
-                                        "dead_fraction": "no activation readings",
-                                        "sparsity": "no activation readings"}))
-    if grads.height:
-        last = last_reading(grads, "run")
-        section("Gradient norm across depth", "Healthy: roughly flat. Vanishing: falls towards the input. "
-                "Exploding: above 1 and rising.", "profile", charts.gradient_profile(last))
-    progress("reading histograms")
-    flagged = ([(focus.run, focus.layer)] if focus else []) + [(f.run, f.layer) for f in found
-                                                               if f.stream == "activation"]
-    pairs = list(dict.fromkeys(flagged))[:MAX_HIST_PAIRS]
-    if not pairs:  # no finding on an activation: the first run's layers
-        pairs = [tuple(r) for r in acts.filter(pl.col("run") == first).select("run", "layer").unique(
-            maintain_order=True).rows()][:MAX_HIST_PAIRS]
-    hist = _compact(histogram_frame(analysis.histograms(pairs)))
-    if hist.height:
-        section("Histogram over time", f"Share of values per fixed bin (exact zero and ±inf have bins of their "
-                f"own), for {len(pairs)} layer(s) with findings; every reading's histogram is in the traces' "
-                "`hist` column.", "histogram", charts.histogram_over_time(
-                    hist, f"{focus.run} · {focus.layer}" if focus else None))
+    c = choose(analysis, baseline)
+    sections = draw(analysis, c, progress)
     progress("writing page")
-    runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",
-             "adapter": meta.get("adapter"), "mode": meta.get("mode"), "probe": meta.get("probe_fingerprint"),
-             "created": meta.get("created"), "host": meta.get("host"), "config": meta.get("config"),
-             "file": meta["file"]} for meta in analysis.runs]
-    n_runs = m["run"].n_unique()
-    n_layers = m.select("run", "layer").unique().height
-    page = PAGE.format(
-        bundle=vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert()),
-        subtitle=html.escape(f"{n_runs} run(s), {n_layers} layer readings series, "
-                             f"{len(found)} finding(s)"),
-        findings=_findings_html(found), comparison=_comparison_html(compared), sections="\n".join(sections),
-        runs=_table(runs, ["run", "framework", "adapter", "mode", "probe", "created", "host", "config", "file"]),
-        specs="{" + ",".join(f'"{k}": {v}' for k, v in specs.items()) + "}")
-    return page
+    return assemble(analysis, c, sections)

@@ -5,6 +5,7 @@ import polars as pl
 
 from actrace.schema import shown
 
+from .diff import Diff, as_text
 from .findings import Finding, findings_frame, group
 from .metrics import METRIC_COLUMNS, last_reading
 
@@ -61,17 +62,10 @@ def layer_table(m: pl.DataFrame) -> str:
     return "\n".join(lines + [legend])
 
 
-def format_comparison(c: pl.DataFrame, per_metric: int = 3) -> str:
-    if c.is_empty():
-        return ""
-    lines = [f"largest differences from baseline run {c['baseline'][0]} (log10 ratio for std and grad_norm):"]
-    for (metric,), g in c.group_by(["metric"], maintain_order=True):
-        for r in g.head(per_metric).iter_rows(named=True):
-            units = "" if r["units"] == r["baseline_units"] else \
-                f"  [{_fmt(r['units'])} vs {_fmt(r['baseline_units'])} units: different layers?]"
-            lines.append(f"  {metric:<17} {shown(r['run'])} / {shown(r['aligned'])} ({r['stream']}): {_fmt(r['value'])} vs "
-                         f"{_fmt(r['baseline_value'])}  (difference {r['difference']:+.3g}){units}")
-    return "\n".join(lines)
+def format_parting(d: Diff, baseline: str, runs: list[str]) -> str:
+    """Where each run parts from the baseline (analyzer.diff): only differences outside its band."""
+    return f"against the baseline run {shown(baseline)} (actrace diff: differences outside its band only):\n" + \
+        "\n".join("  " + line for line in as_text(d, runs).splitlines())
 
 
 def machine_findings(found: list[Finding], fmt: str) -> str:

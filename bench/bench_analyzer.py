@@ -4,7 +4,8 @@ Times `actrace summary --format json` (a fresh process, as a user runs it) again
 reading the same columns with pyarrow alone, and against the per-layer dead fraction computed
 by DuckDB in one SQL query; peak memory (max RSS) of the summary; growth with 5, 10, 20 runs;
 `actrace report` time and HTML size.
-Run: .venv/bin/python bench/bench_analyzer.py [--out DIR]
+With --fleet: `actrace diff` of 2 and of 200 runs, and the 200-run report's size and drawing time.
+Run: .venv/bin/python bench/bench_analyzer.py [--out DIR] [--fleet]
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import actrace
 from actrace.analyzer.metrics import _READ
@@ -84,10 +87,52 @@ def duckdb_dead_fraction(files: list[Path]) -> float:
     return time.perf_counter() - t0
 
 
+def fleet(out: Path) -> None:
+    """`actrace diff` of 2 and of 200 runs, and the 200-run report: its size and how long Chromium
+    takes to draw it (median of 3 loads)."""
+    import statistics
+
+    from fleet import write_fleet
+
+    from actrace.analyzer import analyze
+    from actrace.analyzer.diff import diff
+
+    paths = sorted(out.glob("*.parquet")) if (out / "run199-lr0.005.parquet").exists() else write_fleet(out, 200)
+    for n in (2, 200):
+        a = analyze(paths[:n])
+        names = [m["run_name"] for m in a.runs]
+        t0 = time.perf_counter()
+        found = diff(a.aligned, names[:1], names[1:])
+        print(f"diff of {n} runs × 32 layers × 20 readings: {time.perf_counter() - t0:.2f} s "
+              f"({len(found.partings)} partings)")
+    report = out.parent / "fleet-report.html"
+    wall, peak = timed([sys.executable, "-m", "actrace.cli", "report", str(out), "-o", str(report), "--force"])
+    from playwright.sync_api import sync_playwright
+
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking"]
+    loads = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=args)
+        for _ in range(3):
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            t0 = time.perf_counter()
+            page.goto(report.as_uri())
+            page.wait_for_selector("body[data-ready=yes]", timeout=120_000)
+            loads.append(time.perf_counter() - t0)
+            page.close()
+        browser.close()
+    print(f"report of 200 runs: written in {wall:.1f} s (peak {peak:.0f} MiB), {report.stat().st_size / 2**20:.1f} MiB, "
+          f"drawn by Chromium in {statistics.median(loads):.2f} s (median of 3: {', '.join(f'{t:.2f}' for t in loads)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/actrace-bench-corpus"))
+    parser.add_argument("--fleet", action="store_true", help="only the 200-run fleet: diff times, report size and draw")
     args = parser.parse_args()
+    if args.fleet:
+        fleet(args.out.with_name(args.out.name + "-fleet"))
+        return
     print("building corpus (once)…", file=sys.stderr)
     make_corpus(args.out, 20)
     actrace_cmd = [sys.executable, "-m", "actrace.cli"]

@@ -8,7 +8,8 @@ import polars as pl
 import pytest
 
 import actrace
-from actrace.analyzer.compare import align, compare
+from actrace.analyzer.compare import align
+from actrace.analyzer.diff import diff
 from actrace.analyzer.findings import Rules, findings
 from actrace.analyzer.metrics import METRIC_COLUMNS, Thresholds, metrics
 
@@ -126,9 +127,9 @@ def test_runs_with_other_layer_names_align_by_order_among_kinds(tmp_path):
     m = metrics(tmp_path)
     a = align(m)
     assert sorted(a.filter(pl.col("run") == "b")["aligned"].unique()) == ["relu[0]", "relu[1]", "relu[2]", "tanh[0]"]
-    c = compare(a, "a")
-    top = c.filter(pl.col("metric") == "dead_fraction").row(0, named=True)
-    assert (top["run"], top["aligned"], top["difference"]) == ("b", "relu[2]", 0.5)
+    d = diff(a, ["a"], ["b"])  # half of b's third ReLU dead from the start: a difference, never a parting
+    assert d.partings == [] and [(p.aligned, p.layer, p.metric, p.value) for p in d.from_start] == [
+        ("relu[2]", "l2", "dead_fraction", 0.5)]
 
 
 def test_progress_axis_lines_up_runs_of_different_lengths(tmp_path):

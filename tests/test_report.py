@@ -60,7 +60,7 @@ def test_report_renders_offline_with_every_chart_and_no_script_error(report):
     assert errors == [] and requests == [] and dialogs == []
     assert "dead_growing" in findings_text and "dying" in findings_text
     assert HOSTILE in page_text and images == 0 and bold == 0
-    assert "Differences from the baseline run healthy" in page_text and "dead_fraction" in page_text
+    assert "Against the baseline" in page_text and "parts from healthy" in page_text
     assert "Recurrent layers" not in page_text  # no recurrent layer, no section
 
 
@@ -91,7 +91,7 @@ def test_report_is_self_contained(report):
 
 
 def test_report_embeds_layers_in_depth_order(report):
-    spec = json.loads(report.read_text().split("const specs = ")[1].split(";\nfor")[0])
+    spec = json.loads(report.read_text().split("const specs = ")[1].split(";\nconst first")[0])
     heat = spec["heatmaps"]["hconcat"][0]["layer"][0]
     order = heat["encoding"]["y"]["sort"]
     assert order.index("block0.relu") < order.index("block1.relu") < order.index("block5.relu") < order.index("out")
