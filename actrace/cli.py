@@ -110,6 +110,11 @@ def cmd_summary(args) -> int:
     if others:
         print()
         print(format_parting(parted, args.baseline or a.baseline, others))
+    if args.by:
+        from .analyzer.sweep import as_text, sweep
+
+        print()
+        print(as_text(sweep(a.aligned, a.findings, a.runs, args.by)), end="")
     return 0
 
 
@@ -374,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "csv"], default="text",
                    help="json/csv: per-(run, layer, step) metrics for machines")
     p.add_argument("-o", "--output", help="write json/csv here instead of stdout")
+    p.add_argument("--by", metavar="KEY", help="also the sweep over this config key (as actrace sweep --by KEY)")
     p = analyzer_command("findings", "findings only: text, or JSON/CSV records for CI jobs and notebooks",
                          cmd_findings)
     p.add_argument("--format", choices=["text", "json", "csv"], default="text",

@@ -75,6 +75,7 @@ class Diff:
     partings: list[Parting]
     unaligned: dict[str, list[str]]   # run → its layers (aligned keys) the baseline has not, and the reverse
     from_start: list[Parting] = field(default_factory=list)
+    widths: dict[str, list[str]] = field(default_factory=dict)  # run → "fc (3 vs 64 units)": aligned, yet unlike
 
     @property
     def first(self) -> dict[str, Parting]:
@@ -121,6 +122,13 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
         own = keys.filter(pl.col("run") == run)
         unaligned[run] = sorted(set(base.join(own, on="aligned", how="anti")["layer"])) + \
             sorted(set(own.join(base, on="aligned", how="anti")["layer"]))
+    units = aligned.filter(pl.col("stream") == "activation").group_by("run", "aligned").agg(
+        pl.col("layer").first(), pl.col("units").max())
+    both = units.filter(pl.col("run").is_in(runs)).join(
+        units.filter(pl.col("run").is_in(baselines)).group_by("aligned").agg(pl.col("units").max().alias("base")),
+        on="aligned").filter(pl.col("units") != pl.col("base")).sort("run", "layer")
+    widths = {run: [f"{layer} ({n} vs {b} units)" for _, layer, n, b in g.select("run", "layer", "units", "base").rows()]
+              for (run,), g in both.group_by(["run"], maintain_order=True)}
     for metric in metrics:
         _, scale, floor, _ = METRICS[metric]
         vals = _values(aligned, metric)
@@ -150,7 +158,7 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
             if abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]:  # medians
                 from_start.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, 0, 0.0))
     return Diff(sorted(partings, key=lambda p: (p.run, -p.significance, p.step)), unaligned,
-                sorted(from_start, key=lambda p: (p.run, -p.significance)))
+                sorted(from_start, key=lambda p: (p.run, -p.significance)), widths)
 
 
 def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
@@ -202,6 +210,9 @@ def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
             lines.append(f"  from the first readings apart (as two seeds may be; seeds of the baseline tell: "
                          f"diff A1 A2 -- B): " + "; ".join(f"{METRICS[p.metric][3]} in {shown(p.layer)}"
                                                            for p in start[:5]) + (" …" if len(start) > 5 else ""))
+        if d.widths.get(run):
+            lines.append(f"  aligned, yet of other widths (different layers?): "
+                         + ", ".join(map(shown, d.widths[run][:8])) + (" …" if len(d.widths[run]) > 8 else ""))
         if d.unaligned.get(run):
             names = ", ".join(map(shown, d.unaligned[run][:10])) + (" …" if len(d.unaligned[run]) > 10 else "")
             lines.append(f"  not compared: {len(d.unaligned[run])} layer(s) only one side has: {names} "
@@ -211,7 +222,8 @@ def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
 
 def as_json(d: Diff) -> str:
     return json.dumps({"partings": [asdict(p) for p in d.partings], "first": {r: asdict(p) for r, p in d.first.items()},
-                       "from_start": [asdict(p) for p in d.from_start], "unaligned": d.unaligned}, indent=2) + "\n"
+                       "from_start": [asdict(p) for p in d.from_start], "unaligned": d.unaligned,
+                       "widths": d.widths}, indent=2) + "\n"
 
 
 def as_csv(d: Diff) -> str:

@@ -70,7 +70,7 @@ def test_the_summary_explains_its_columns_and_names_streams_and_unit_mismatches(
                     1 if run == "a" else 5), kind="relu")
     out = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--baseline", "a").stdout
     assert "sat.v / sat.u: saturated share of values / of units pinned for every input" in out
-    assert "b / fc (activation):" in out and "[3 vs 64 units: different layers?]" in out
+    assert "aligned, yet of other widths (different layers?): fc (3 vs 64 units)" in out
 
 
 def test_a_monitor_that_selects_nothing_says_so_at_construction(tmp_path):
