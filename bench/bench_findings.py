@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +45,10 @@ def build(cases: list[Case], out: Path, jobs: int = 2, rebuild: bool = False) ->
     todo = [(c, paths[c.name]) for c in cases if rebuild or not current(paths[c.name])]
     if todo:
         print(f"training {len(todo)} of {len(cases)} runs with {jobs} worker(s)…", file=sys.stderr, flush=True)
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (name, seconds) in enumerate(pool.imap_unordered(_train, todo), 1):
+        # a worker that dies breaks the pool loudly (BrokenProcessPool), rather than leaving it waiting
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for i, done in enumerate(as_completed([pool.submit(_train, job) for job in todo]), 1):
+                name, seconds = done.result()
                 print(f"  [{i}/{len(todo)}] {name} ({seconds:.1f} s)", file=sys.stderr, flush=True)
     return paths
 
