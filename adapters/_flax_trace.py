@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.extend.core as jc
 
-from actrace.schema import activation_kind
+from actrace.format.schema import activation_kind
 
 _MODULE_KINDS = {  # linen and nnx class names
     "linear": ("Dense", "DenseGeneral", "Linear", "LinearGeneral", "Einsum"),

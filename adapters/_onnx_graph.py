@@ -14,6 +14,8 @@ import math
 import numpy as np
 from dataclasses import dataclass
 
+from actrace.format.schema import clamp_kind
+
 from ._onnx_recurrent import OPS as RECURRENT_OPS
 from ._onnx_recurrent import Op
 
@@ -277,19 +279,14 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
 
 
 def _clip(graph: Graph, node) -> tuple[str | None, tuple | None]:
-    """(kind, bounds) of a Clip, as the PyTorch adapter reads a clamp: both bounds a `clip`
-    ((0, 6) a `relu6`), min 0 alone a `relu`, any other one-sided Clip a guard (kind None)."""
+    """(kind, bounds) of a Clip by the spec's one clamp rule (`schema.clamp_kind`)."""
     attrs = {a.name: a for a in node.attribute}
     if "min" in attrs or "max" in attrs:  # opset < 11
         lo, hi = (attrs["min"].f if "min" in attrs else None), (attrs["max"].f if "max" in attrs else None)
     else:
         values = [graph.constant(name) if name else None for name in (list(node.input[1:3]) + ["", ""])[:2]]
         lo, hi = (None if v is None else float(v) for v in values)
-    if (lo, hi) == (0.0, 6.0):
-        return "relu6", None
-    if lo is not None and hi is not None:
-        return "clip", (lo, hi)
-    return ("relu", None) if lo == 0.0 and hi is None else (None, None)
+    return clamp_kind(lo, hi) or (None, None)
 
 
 def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:

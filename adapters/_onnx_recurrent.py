@@ -1,5 +1,5 @@
 """ONNX `LSTM`, `GRU` and `RNN` nodes read as the PyTorch adapter reads their modules
-(actrace.recurrent; spec §Recurrent layers): per direction the hidden-state sequence `Y`, every
+(actrace.format.recurrent; spec §Recurrent layers): per direction the hidden-state sequence `Y`, every
 gate of every step recomputed from the node's `W`, `R`, `B`, and the final states `Y_h`, `Y_c`.
 
 Gate weights are reordered from ONNX's stacking (LSTM i, o, f, c; GRU z, r, h) to PyTorch's.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from actrace import recurrent
+from actrace.format import recurrent
 
 _TO_TORCH = {"lstm": [0, 2, 3, 1], "gru": [1, 0, 2]}  # ONNX gate blocks in PyTorch's order
 _DEFAULT = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}

@@ -10,15 +10,15 @@ import re
 
 from torch import nn
 
-from actrace.schema import ACTIVATION_KINDS, activation_kind
+from actrace.format.schema import ACTIVATION_KINDS, activation_kind, clamp_kind
 
 from ._torch_axes import arg as _arg
 
 _NN_ACTIVATIONS: list[tuple[type, str]] = [
-    (nn.ReLU6, "relu6"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
+    (nn.Hardtanh, "clip"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
     (nn.PReLU, "prelu"), (nn.ELU, "elu"), (nn.CELU, "elu"), (nn.SELU, "selu"), (nn.GELU, "gelu"),
     (nn.SiLU, "silu"), (nn.Mish, "mish"), (nn.Softplus, "softplus"), (nn.Hardswish, "hard_swish"),
-    (nn.Hardtanh, "hard_tanh"), (nn.Tanh, "tanh"), (nn.Softsign, "softsign"), (nn.Sigmoid, "sigmoid"),
+    (nn.Tanh, "tanh"), (nn.Softsign, "softsign"), (nn.Sigmoid, "sigmoid"),
     (nn.Hardsigmoid, "hard_sigmoid"), (nn.Softmax, "softmax"),
 ]
 _NN_LAYERS: list[tuple[tuple[type, ...], str]] = [
@@ -56,6 +56,8 @@ OPAQUE: dict[type, tuple] = {
 def module_kind(module: nn.Module) -> str | None:
     """The spec's kind of a module's output, or None for a module that is not read (containers,
     dropout, pooling: their work shows in the layers around them)."""
+    if isinstance(module, nn.Hardtanh):  # and ReLU6, its subclass: a clamp, by the spec's one rule
+        return clamp_kind(module.min_val, module.max_val)[0]
     for cls, kind in _NN_ACTIVATIONS:
         if isinstance(module, cls):
             return kind
@@ -72,23 +74,19 @@ def module_kind(module: nn.Module) -> str | None:
     return None
 
 
-def module_bounds(module: nn.Module, kind: str) -> tuple[float, float] | None:
-    if kind == "hard_tanh" and hasattr(module, "min_val"):
-        return float(module.min_val), float(module.max_val)
-    return None
+def module_bounds(module: nn.Module) -> tuple[float, float] | None:
+    """A module's own saturation bounds (a clip's), over its kind's."""
+    return clamp_kind(module.min_val, module.max_val)[1] if isinstance(module, nn.Hardtanh) else None
 
 
 def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[float, float] | None] | None:
-    """(kind, bounds) of a functional activation call, or None for any other call. A clamp is a
-    `clip` with both bounds given, a `relu` as `clamp(min=0)`; any other one-sided clamp is a
-    guard, not an activation."""
+    """(kind, bounds) of a functional activation call, or None for any other call; a clamp
+    (`clamp`, `clip`, `hardtanh`, `relu6`) by the spec's one rule (`schema.clamp_kind`)."""
     base = name.rstrip("_")
-    if base in ("clamp", "clip", "clamp_min"):
-        lo, hi = _arg(args, kwargs, 1, "min"), None if base == "clamp_min" else _arg(args, kwargs, 2, "max")
-        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
-            return "clip", (float(lo), float(hi))
-        return ("relu", None) if lo == 0 and hi is None else None  # clamp(min=0) is a ReLU
+    if base in ("clamp", "clip", "clamp_min", "hardtanh"):
+        lo, hi = (_arg(args, kwargs, 1, "min_val", -1.0), _arg(args, kwargs, 2, "max_val", 1.0)) if base == "hardtanh" \
+            else (_arg(args, kwargs, 1, "min"), None if base == "clamp_min" else _arg(args, kwargs, 2, "max"))
+        numbers = all(v is None or isinstance(v, (int, float)) for v in (lo, hi))
+        return clamp_kind(lo, hi) if numbers else None  # a clamp to tensors is elementwise: a guard
     kind = activation_kind(base)
-    if kind == "hard_tanh":
-        return kind, (float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0)))
     return (kind, None) if kind else None

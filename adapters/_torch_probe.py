@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from actrace.fingerprint import fingerprint
+from actrace.format.fingerprint import fingerprint
 
 
 def _name(path) -> str:

@@ -1,4 +1,4 @@
-"""`nn.RNN`, `nn.LSTM` and `nn.GRU` read as what they compute (actrace.recurrent; spec §Recurrent
+"""`nn.RNN`, `nn.LSTM` and `nn.GRU` read as what they compute (actrace.format.recurrent; spec §Recurrent
 layers): per layer and direction the hidden-state sequence, every gate of every step and the
 final states, from one call's input, initial state and output.
 
@@ -12,7 +12,7 @@ import torch
 from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from actrace import recurrent
+from actrace.format import recurrent
 
 RECURRENT = (nn.RNN, nn.LSTM, nn.GRU)
 _CELL = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}

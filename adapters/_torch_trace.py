@@ -147,7 +147,7 @@ class ForwardTrace(TorchFunctionMode):
             found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
-                self._functional(frame, name.rstrip("_"), *found, out)
+                self._functional(frame, *found, out)
         finally:
             self._busy = False
         return out
@@ -171,8 +171,9 @@ class ForwardTrace(TorchFunctionMode):
             finally:
                 self._busy = busy
 
-    def _functional(self, frame: _Frame | None, fname: str, kind: str, bounds, out: torch.Tensor) -> None:
-        name = self._name(f"{frame.path}.{fname}" if frame and frame.path else fname)
+    def _functional(self, frame: _Frame | None, kind: str, bounds, out: torch.Tensor) -> None:
+        """An activation called as a function: `PATH.KIND`, named by its kind as the ONNX adapter names it."""
+        name = self._name(f"{frame.path}.{kind}" if frame and frame.path else kind)
         wrapper = frame is not None and self._wrapper(frame)
         own = self.wanted(name, None)
         if own or (wrapper and self.wanted(frame.path, frame.module)):
@@ -287,4 +288,4 @@ class ForwardTrace(TorchFunctionMode):
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):
-                self._sink(name, kind, module_bounds(frame.module, kind), t, frame.module, defer=True)
+                self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 import actrace
-from actrace.fingerprint import fingerprint
+from actrace.format.fingerprint import fingerprint
 from actrace.reduce import param_grad_job, reduce_arrays
-from actrace.writer import script_options
+from actrace.files.writer import script_options
 
 from ._flax_trace import ProbeTrace, linen_calls, nnx_calls
 

@@ -21,10 +21,10 @@ import keras
 import numpy as np
 
 import actrace
-from actrace.fingerprint import fingerprint
+from actrace.format.fingerprint import fingerprint
 from actrace.reduce import param_grad_job, reduce_arrays
-from actrace.schema import activation_kind
-from actrace.writer import script_options
+from actrace.format.schema import activation_kind
+from actrace.files.writer import script_options
 
 __all__ = ["TraceCallback", "layer_kind"]
 

@@ -17,11 +17,11 @@ import numpy as np
 from tqdm import tqdm
 
 import actrace
-from actrace.fingerprint import fingerprint
-from actrace.reader import expand
+from actrace.format.fingerprint import fingerprint
+from actrace.files.reader import expand
 from actrace.reduce import merge, reduce_arrays
 
-from actrace.schema import KINDS, shown
+from actrace.format.schema import KINDS, shown
 
 from ._onnx_graph import OP_KINDS, RECURRENT_OPS, Layer
 from ._onnx_graph import layers as graph_layers

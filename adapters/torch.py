@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import actrace
-from actrace.writer import script_options
+from actrace.files.writer import script_options
 
 from ._torch_kinds import module_kind
 from ._torch_probe import Probe

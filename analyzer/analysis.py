@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from actrace.reader import read_source
+from actrace.files.reader import read_source
 
 from .compare import align
 from .diff import Diff, diff

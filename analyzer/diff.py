@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import polars as pl
 
-from actrace.schema import shown
+from actrace.format.schema import shown
 
 # metric: (stream, scale, floor, what it is): a share compares as it is, a norm or spread by its log10,
 # a mean in units of the baseline's standard deviation

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 
-from actrace.recurrent import describe
-from actrace.schema import KIND_BOUNDS, STREAMS
+from actrace.format.recurrent import describe
+from actrace.format.schema import KIND_BOUNDS, STREAMS, sat_margin
 
 from .metrics import Thresholds
 from .trends import held_since, onset, recent, stable_since, theil_sen
@@ -165,7 +165,7 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
     if gate is None or bounds is None:
         return f"{share:.0%} of units pinned at a bound"
     lo, hi = bounds
-    margin = (1 - t) * max(abs(lo), abs(hi))
+    margin = float(sat_margin(lo, hi, t))
     if kind == "sigmoid":
         high = mean > (lo + hi) / 2
         side = GATE_SIDES.get(gate, ("at 1", "at 0"))[0 if high else 1]

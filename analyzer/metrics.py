@@ -15,10 +15,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from actrace import bins
-from actrace.reader import TraceError, read_source, trace_sources
-from actrace.schema import KINDS, READING_KEY, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS, minor_version
-from actrace.validate import metadata_problems, row_problems, run_problems
+from actrace.format import bins
+from actrace.files.reader import TraceError, read_source, trace_sources
+from actrace.format.schema import (KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS,
+                                   minor_version, sat_margin)
+from actrace.files.validate import metadata_problems, row_problems, run_problems
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
@@ -44,10 +45,6 @@ class Thresholds:
             raise ValueError(f"--sat-threshold must lie in (0, 1), got {self.sat_threshold}")
 
 
-def _margin(lo, hi, t):
-    return (1.0 - t) * np.maximum(np.abs(lo), np.abs(hi))
-
-
 UPPER_ONLY = [kind for kind, sides in SATURATING_SIDES.items() if sides == ("hi",)]  # ReLU6, softmax
 
 
@@ -55,7 +52,7 @@ def saturated_bins(lo: float, hi: float, t: float, upper: bool = False) -> np.nd
     """0/1 per histogram bin: 1 where the whole bin lies in the saturated region of a saturating
     side (the upper one only when `upper`)."""
     b_lo, b_hi = bins.bin_bounds()
-    m = _margin(lo, hi, t)
+    m = sat_margin(lo, hi, t)
     tol = _TOL * max(abs(lo), abs(hi), 1.0)
     return ((b_lo >= hi - m - tol) | (~upper & (b_hi <= lo + m + tol))).astype(np.int64)
 
@@ -89,13 +86,13 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
         dev, dev_starts, _ = _flat(table["unit_min_dev"])
         b_lo = table["bound_lo"].to_numpy(zero_copy_only=False)
         b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
-        need = (b_hi - b_lo) / 2 - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
+        need = (b_hi - b_lo) / 2 - sat_margin(b_lo, b_hi, th.sat_threshold) - _TOL
         lengths = np.diff(np.append(dev_starts, len(dev)))
         both = _count_per_row(dev >= np.repeat(need, lengths), dev_starts, nulls | np.isnan(need))
         upper_rows = pc.is_in(table["kind"], pa.array(UPPER_ONLY)).to_numpy(zero_copy_only=False)
         pinned = both
         if upper_rows.any():  # ReLU6, softmax: pinned at the upper bound only, from unit_min
-            near_hi = b_hi - _margin(b_lo, b_hi, th.sat_threshold) - _TOL
+            near_hi = b_hi - sat_margin(b_lo, b_hi, th.sat_threshold) - _TOL
             upper = _count_per_row(lo >= np.repeat(near_hi, np.diff(np.append(starts, len(lo)))), starts,
                                    nulls | np.isnan(near_hi))
             pinned = np.where(upper_rows, upper, both)
@@ -124,8 +121,8 @@ def saturation_value(t: float, bounded: list[tuple[str, float, float]]) -> pl.Ex
         mask = pl.lit(pl.Series([saturated_bins(lo, hi, t, upper).tolist()]))
         share = (pl.col("hist") * mask).list.sum() / non_nan
         if t in SAT_LEVELS:
-            i, n = SAT_LEVELS.index(t), len(SAT_LEVELS)
-            near = pl.col("sat_counts").list.get(n + i) + (0 if upper else pl.col("sat_counts").list.get(n - 1 - i))
+            count = pl.col("sat_counts").list.get
+            near = count(SAT_COUNTS.index(("hi", t))) + (0 if upper else count(SAT_COUNTS.index(("lo", t))))
             share = pl.when(pl.col("sat_counts").is_not_null()).then(near / non_nan).otherwise(share)
         if kind == "softmax":  # per distribution, not per value: at most one value of each is near 1
             share = pl.when(share.is_not_nan()).then(pl.min_horizontal(share * pl.col("units"), pl.lit(1.0))

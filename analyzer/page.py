@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import json
 
-from actrace.schema import shown
+from actrace.format.schema import shown
 
 from .findings import Finding, group
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from actrace import bins
-from actrace.recurrent import describe
+from actrace.format import bins
+from actrace.format.recurrent import describe
 
 from . import charts, page
 from .analysis import Analysis

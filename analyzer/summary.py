@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from actrace.schema import shown
+from actrace.format.schema import shown
 
 from .diff import Diff, as_text
 from .findings import Finding, findings_frame, group

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 
-from actrace.schema import shown
+from actrace.format.schema import shown
 
 from .findings import SEVERITY_RANK, Finding
 from .metrics import last_reading

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import actrace
 from actrace.analyzer.metrics import _READ
-from actrace.reader import trace_sources
+from actrace.files.reader import trace_sources
 
 LAYERS, READINGS, UNITS, BATCH = 32, 100, 512, 64
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import actrace
-from actrace import kernel
+from actrace.reduce import kernel
 from actrace.reduce import reduce_array
 
 KERNEL_CASES = {  # name: (shape as (before, units, after), relu(x) too)

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from actrace import metadata
+from actrace.format import metadata
 from actrace.analyzer import analyze
 from actrace.analyzer.findings import findings
-from actrace.reader import TraceError
+from actrace.files.reader import TraceError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from findings_corpus import CASES, PROBE_EVERY, STEPS, VERSION, Case, train  # noqa: E402

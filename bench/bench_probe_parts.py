@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from actrace import kernel
+from actrace.reduce import kernel
 from actrace.adapters.torch import Monitor
 from bench_torch import MODELS, interleaved, paired
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_torch import MODELS, tensorboard_hooks  # noqa: E402
 
 from actrace.adapters.torch import Monitor  # noqa: E402
-from actrace.writer import PARQUET_OPTIONS  # noqa: E402
+from actrace.files.writer import PARQUET_OPTIONS  # noqa: E402
 
 VARIANTS = {  # name: Parquet options over the writer's (zstd 3, floats byte-stream-split)
     "plain floats (before)": dict(use_byte_stream_split=False),

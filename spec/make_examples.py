@@ -1,4 +1,5 @@
-"""Regenerate the golden traces in spec/examples/ and their expected values in spec/expected/.
+"""Regenerate the golden traces in spec/examples/ and their expected values in spec/expected/
+(`python spec/make_examples.py [DIR]`: into DIR/examples and DIR/expected instead).
 
 Valid traces are built from tensors whose truth is known by construction; the expected
 per-layer values are computed here from the raw tensors with plain numpy, independently of
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import actrace
+from actrace.format.schema import KIND_BOUNDS, SATURATING_SIDES, canonical_kind
 
-HERE = Path(__file__).parent / "examples"
-EXPECTED = Path(__file__).parent / "expected"
+SPEC = Path(__file__).parent
 THRESHOLDS = {"dead_eps": [0.0, 0.1], "sat_threshold": [0.9, 0.99]}
 
 
@@ -50,7 +53,7 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-EDGES = np.array([float(l) for l in (HERE.parent / "bins-v1.txt").read_text().splitlines()
+EDGES = np.array([float(l) for l in (SPEC / "bins-v1.txt").read_text().splitlines()
                   if not l.startswith("#")])
 
 
@@ -73,10 +76,10 @@ def expected_values(x: np.ndarray, axis: int, kind: str, bounds, exact: bool = T
     out = {f"dead_fraction@{e}": float((absmax <= e).mean()) for e in THRESHOLDS["dead_eps"]}
     out["sparsity"] = float((x64 == 0).mean())
     out["mean"], out["std"] = float(x64.mean()), float(x64.std())
-    bounds = bounds or actrace.schema.KIND_BOUNDS[kind]
+    bounds = bounds or KIND_BOUNDS[kind]
     if bounds:
         lo, hi = bounds
-        both = actrace.schema.SATURATING_SIDES[kind] == ("lo", "hi")
+        both = SATURATING_SIDES[kind] == ("lo", "hi")
         for t in THRESHOLDS["sat_threshold"]:
             margin = (1 - t) * max(abs(lo), abs(hi))
             sat = (x64 >= hi - margin) | (both & (x64 <= lo + margin))
@@ -87,8 +90,8 @@ def expected_values(x: np.ndarray, axis: int, kind: str, bounds, exact: bool = T
     return out
 
 
-def write_valid(name: str, steps=(0, 100), nan: bool = False) -> Path:
-    path = HERE / f"{name}.parquet"
+def write_valid(out: Path, name: str, steps=(0, 100), nan: bool = False) -> Path:
+    path = out / "examples" / f"{name}.parquet"
     rng = np.random.default_rng(7)
     expected: dict = {"thresholds": THRESHOLDS, "layers": {}}
     with actrace.Writer(path, run=name, framework="numpy", overwrite=True, mode="eval",
@@ -100,31 +103,40 @@ def write_valid(name: str, steps=(0, 100), nan: bool = False) -> Path:
                     x = x.copy()
                     x[0, 5], x[1, 6], x[2, 7] = np.nan, np.inf, -np.inf
                 w.record_activation(step, layer, x, kind=kind, unit_axis=axis, bounds=bounds)
-                if not nan:
-                    expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds)
+                if not nan:  # a clamp saturates as the kind it is written as (spec §Layer kinds)
+                    expected["layers"].setdefault(layer, {})[str(step)] = expected_values(
+                        x, axis, canonical_kind(kind, bounds)[0], bounds)
     if nan:
         expected["layers"] = {"fc1.relu": {str(s): {"nan_count": 1, "inf_count": 2} for s in steps}}
-    (EXPECTED / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+    (out / "expected" / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
     return path
 
 
-def write_v1_0(template: Path) -> None:
-    """`valid-mlp` as a 1.0 writer made it: no `sat_counts` column, version 1.0. A 1.1 reader reads
-    it, saturation per value from the histogram."""
-    t = pq.read_table(template).drop_columns(["sat_counts"])
-    meta = {**t.schema.metadata, b"actrace:spec_version": b"1.0"}
-    pq.write_table(t.replace_schema_metadata(meta), HERE / "valid-v1_0.parquet")
+def write_older(out: Path, template: Path, version: str) -> None:
+    """`valid-mlp` as an earlier writer made it: 1.1 without `value` and with kinds as given (a
+    `hard_tanh`, a `clip` to [0, 6], which 1.2 writes as `clip` and `relu6`), 1.0 without
+    `sat_counts` too. A 1.2 reader reads both; a 1.0 trace's saturation per value comes from the histogram."""
+    t = pq.read_table(template)
+    given = {layer: kind for layer, (_, _, kind, _) in layers(0, np.random.default_rng(0)).items()}
+    t = t.set_column(t.column_names.index("kind"), "kind", pa.array(
+        [given.get(layer, kind) for layer, kind in zip(t["layer"].to_pylist(), t["kind"].to_pylist())],
+        t.schema.field("kind").type))
+    t = t.drop_columns(["value"] + (["sat_counts"] if version == "1.0" else []))
+    meta = {**t.schema.metadata, b"actrace:spec_version": version.encode()}
+    name = f"valid-v{version.replace('.', '_')}"
+    pq.write_table(t.replace_schema_metadata(meta), out / "examples" / f"{name}.parquet")
     rng = np.random.default_rng(7)
     expected: dict = {"thresholds": THRESHOLDS, "layers": {}}
     for step in (0, 100):
         for layer, (x, axis, kind, bounds) in layers(step, rng).items():
-            expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds, exact=False)
-    (EXPECTED / "valid-v1_0.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+            expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds,
+                                                                                  exact=version != "1.0")
+    (out / "expected" / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
 
 
-def mutate(template: Path, name: str, change) -> None:
+def mutate(out: Path, template: Path, name: str, change) -> None:
     table = pq.read_table(template)
-    pq.write_table(change(table), HERE / f"invalid-{name}.parquet")
+    pq.write_table(change(table), out / "examples" / f"invalid-{name}.parquet")
 
 
 def set_meta(key: str, value: str | None):
@@ -169,21 +181,35 @@ INVALID = {
 }
 
 
-def main() -> None:
-    for old in HERE.glob("*.parquet*"):
+def main(out: Path = SPEC) -> None:
+    examples = out / "examples"
+    (out / "expected").mkdir(parents=True, exist_ok=True)
+    examples.mkdir(parents=True, exist_ok=True)
+    for old in examples.glob("*.parquet*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
-    template = write_valid("valid-mlp")
-    write_valid("valid-nonfinite", steps=(0,), nan=True)
-    write_v1_0(template)
+    template = write_valid(out, "valid-mlp")
+    write_valid(out, "valid-nonfinite", steps=(0,), nan=True)
+    for version in ("1.0", "1.1"):
+        write_older(out, template, version)
     for name, change in INVALID.items():
-        mutate(template, name, change)
-    (HERE / "invalid-truncated.parquet").write_bytes(template.read_bytes()[: template.stat().st_size // 2])
-    (HERE / "invalid-not_parquet.parquet").write_text("step,layer\n0,fc1\n")
-    # a crash leftover: the part files of an unfinished writer, which readers must accept
-    w = actrace.Writer(HERE / "valid-crashed.parquet", run="valid-crashed", flush_every=2, overwrite=True)
-    for step in range(3):
-        w.record_activation(step, "fc", np.arange(-3, 5, dtype=np.float32).reshape(2, 4), kind="relu")
+        mutate(out, template, name, change)
+    (examples / "invalid-truncated.parquet").write_bytes(template.read_bytes()[: template.stat().st_size // 2])
+    (examples / "invalid-not_parquet.parquet").write_text("step,layer\n0,fc1\n")
+    # a crash leftover: the part files of a writer whose process died (no close, no exit handler)
+    subprocess.run([sys.executable, "-c", CRASHED, str(examples / "valid-crashed.parquet")], check=True)
+
+
+CRASHED = """
+import os, sys
+import numpy as np
+import actrace
+
+w = actrace.Writer(sys.argv[1], run="valid-crashed", flush_every=2, overwrite=True)
+for step in range(3):
+    w.record_activation(step, "fc", np.arange(-3, 5, dtype=np.float32).reshape(2, 4), kind="relu")
+os._exit(0)
+"""
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else SPEC)

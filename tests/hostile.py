@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import actrace
-from actrace.schema import SCHEMA
+from actrace.format.schema import SCHEMA
 
 WRONG_TYPES = {"count": pa.string(), "hist": pa.list_(pa.string()), "unit_min": pa.list_(pa.float64()),
                "layer": pa.int64(), "mode": pa.int8(), "step": pa.float64(), "units": pa.string(),

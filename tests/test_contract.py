@@ -14,9 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from actrace import ReductionError, kernel, merge, reduce_array
+from actrace.reduce import kernel
+from actrace import ReductionError, merge, reduce_array
 from actrace.reduce import Reading, reference
-from actrace.schema import COLUMNS, MERGE, bounds_for
+from actrace.format.schema import COLUMNS, MERGE, bounds_for
 
 LAYOUTS = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
            "sequence": ((6, 7, 5), -1), "whole": ((6, 4), None),
@@ -258,7 +259,7 @@ def test_empty_and_non_float_tensors_are_refused_by_every_path():
 
 
 def test_the_schema_merge_rules_are_the_specs():
-    """Each column's merge rule in `actrace.schema` is the one in the spec's column table."""
+    """Each column's merge rule in `actrace.format.schema` is the one in the spec's column table."""
     import re
     from pathlib import Path
 

@@ -7,7 +7,7 @@ import pytest
 from actrace.analyzer.compare import align
 from actrace.analyzer import analyze
 from actrace.analyzer.metrics import metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 
 
 @pytest.fixture(scope="module")

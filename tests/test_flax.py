@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 import actrace
-from actrace import metadata
+from actrace.format import metadata
 from actrace.adapters.flax import Monitor, leaf_names
 from actrace.analyzer.metrics import metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 
 
 class Head(nn.Module):

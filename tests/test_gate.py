@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import actrace
-from actrace import metadata
+from actrace.format import metadata
 from conftest import HUNG
 from traces import write_run
 

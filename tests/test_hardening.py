@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import actrace
-from actrace import metadata
-from actrace.schema import MAX_NAME
-from actrace.validate import validate
+from actrace.format import metadata
+from actrace.format.schema import MAX_NAME
+from actrace.files.validate import validate
 from conftest import EXAMPLES, HUNG
 from hostile import COMMANDS, mutations, run, template
 
@@ -196,7 +196,7 @@ def test_overwrite_replaces_a_trace_but_never_another_file(tmp_path, cli):
 
 
 def test_a_parts_folder_compacted_while_it_is_read_is_read_from_its_trace(tmp_path):
-    from actrace.reader import read_source
+    from actrace.files.reader import read_source
 
     w = actrace.Writer(tmp_path / "t.parquet", flush_every=1)
     w.record_activation(0, "fc", np.ones((2, 2), np.float32), kind="relu")

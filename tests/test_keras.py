@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 import actrace
-from actrace import metadata
+from actrace.format import metadata
 from actrace.analyzer.metrics import metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 from conftest import HUNG
 
 SCRIPT = """

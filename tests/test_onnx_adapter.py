@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 import actrace
 from actrace.adapters.onnx import record_onnx
 from actrace.analyzer.metrics import metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 
 
 def helper_model(path, bias: float = 0.0, batch="N", external: bool = False):

@@ -91,14 +91,18 @@ class Softmaxes(nn.Module):
 
 
 class Clamps(nn.Module):
-    """ReLU6 and a clamp(-2, 2): Clips whose bounds the TorchScript exporter gives as Constant nodes."""
+    """Every spelling of a clamp: ReLU6 and Hardtanh modules, and clamp, hardtanh and relu6 calls
+    (Clips whose bounds the TorchScript exporter gives as Constant nodes)."""
 
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 8))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 16), nn.Hardtanh(-2.0, 2.0))
+        self.a, self.b, self.c = nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(16, 8)
 
     def forward(self, x):
-        return torch.clamp(self.net(x * 4), -2.0, 2.0)
+        h = self.net(x * 4)
+        h = torch.clamp(self.a(h) * 4, 0.0, 6.0) + F.hardtanh(self.b(h) * 2) + F.relu6(self.c(h) * 3)
+        return torch.clamp(h, -2.0, 2.0)
 
 
 MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encoder, (6, 5, 16)),
@@ -146,6 +150,19 @@ def test_every_onnx_layer_is_the_pytorch_layer_it_aligns_with(tmp_path, model, d
     assert per_run["torch"] == per_run["onnx"]
     summary = cli("summary", *paths, "--baseline", "torch")
     assert summary.returncode == 0 and "largest differences" not in summary.stdout, summary.stdout
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_every_clamp_has_one_name_kind_and_bounds_in_both(tmp_path, dynamo):
+    """One rule (`schema.clamp_kind`) for both adapters: [0, 6] a relu6 (saturating above only),
+    other bounds a clip with them, whether a module, a function or an ONNX Clip (whose bounds are
+    Constant nodes from TorchScript, initializers from dynamo)."""
+    paths = record_both(tmp_path, *MODELS["clamps"], dynamo)
+    got = [{r["layer"]: (r["kind"], r["bound_lo"], r["bound_hi"]) for r in actrace.read_table(p).to_pylist()
+            if r["kind"] in ("relu6", "clip", "hard_tanh")} for p in paths]
+    assert got[0] == {"net.1": ("relu6", 0, 6), "net.3": ("clip", -2, 2), "relu6": ("relu6", 0, 6),
+                      "clip": ("clip", -1, 1), "relu6#2": ("relu6", 0, 6), "clip#2": ("clip", -2, 2)}
+    assert got[1] == got[0]
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
@@ -197,14 +214,6 @@ def test_a_one_sided_clip_is_a_relu_at_zero_and_else_a_guard(tmp_path, lo, hi, r
     record_onnx([tmp_path / "m.onnx"], tmp_path / "p.npy", tmp_path / "t.parquet", progress=False)
     got = [(r["kind"], r["bound_hi"]) for r in actrace.read_table(tmp_path / "t.parquet").to_pylist()]
     assert got == ([] if read is None else [read]) + [("tanh", 1.0)]
-
-
-@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_clips_are_read_whether_their_bounds_are_initializers_or_constant_nodes(tmp_path, dynamo):
-    paths = record_both(tmp_path, *MODELS["clamps"], dynamo)
-    kinds = [[(r["kind"], r["bound_lo"], r["bound_hi"]) for r in actrace.read_table(p).to_pylist()] for p in paths]
-    assert kinds[0] == kinds[1] == [("linear", None, None), ("relu6", 0.0, 6.0), ("linear", None, None),
-                                    ("clip", -2.0, 2.0)]
 
 
 def test_the_channel_axis_is_followed_through_an_upsample(tmp_path):

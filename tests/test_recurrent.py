@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import actrace
-from actrace import metadata
+from actrace.format import metadata
 from actrace.adapters._torch_trace import ForwardTrace
 from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
@@ -379,7 +379,7 @@ def test_onnx_recurrent_nodes_chosen_by_op_type_and_an_unusual_node_said_once(tm
 def test_the_spec_names_the_gates_as_the_code_does():
     from conftest import SPEC
 
-    from actrace.recurrent import GATES
+    from actrace.format.recurrent import GATES
 
     row = next(line for line in (SPEC / "trace-v1.md").read_text().splitlines() if line.startswith("| each gate"))
     assert all(f"`{gate}`" in row for gates in GATES.values() for gate, _ in gates)

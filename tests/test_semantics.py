@@ -18,7 +18,7 @@ import actrace
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import FINDING_COLUMNS, Rules, findings
 from actrace.analyzer.metrics import Thresholds, metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 
 
 def probe_reading(model, probe, path):

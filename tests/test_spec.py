@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from actrace import SPEC_VERSION, bins
-from actrace.schema import KINDS, SCHEMA
-from actrace.validate import validate
+import actrace
+from actrace import SPEC_VERSION
+from actrace.files.validate import validate
+from actrace.format import bins
+from actrace.format.schema import KINDS, SCHEMA
 
 from conftest import EXAMPLES, SPEC
 
@@ -63,7 +68,7 @@ def test_every_kind_is_listed_in_the_spec():
     assert sorted(k for k in KINDS if f"`{k}`" not in kinds_section) == []
 
 
-VALID = sorted(p.name for p in EXAMPLES.glob("valid-*"))
+VALID = sorted(p.name for p in EXAMPLES.glob("valid-*") if not p.name.endswith(".lock"))
 INVALID_FAULTS = {
     "missing_version": "spec_version",
     "future_major_version": "version 2.0 is not supported",
@@ -121,3 +126,44 @@ def test_analyzer_computes_the_golden_values(name):
                                                err_msg=f"{name} {layer} step {step} {key}")
                     checked += 1
     assert checked > 0
+
+
+VOLATILE_META = {"run_id", "created", "host", "framework_version"}  # who, where and when, not what
+
+
+def _content(path):
+    """What a golden file says: its rows (but their wall time) and metadata (but who, where and
+    when), or, unreadable, the problems `validate` names."""
+    problems = [str(p).replace(str(path), "FILE") for p in validate(path)]
+    try:
+        t = actrace.read_table(path)
+    except actrace.TraceError:
+        return problems, None, None
+    meta = {k: v for k, v in (t.schema.metadata or {}).items() if k.decode().removeprefix("actrace:") not in VOLATILE_META}
+    return problems, t.drop_columns(["wall_time"]).to_pylist(), meta
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_regenerating_the_examples_changes_nothing(tmp_path):
+    """spec/make_examples.py run again gives the golden files committed: the same files, the
+    same expected values, the same rows and metadata (floats to 1e-9: another CPU may round the
+    kernel's sums otherwise)."""
+    subprocess.run([sys.executable, str(SPEC / "make_examples.py"), str(tmp_path)], check=True, timeout=600)
+    for folder in ("examples", "expected"):
+        names = sorted(p.relative_to(SPEC / folder).as_posix() for p in (SPEC / folder).rglob("*"))
+        assert sorted(p.relative_to(tmp_path / folder).as_posix() for p in (tmp_path / folder).rglob("*")) == names
+    for name in (p.name for p in (SPEC / "expected").glob("*.json")):
+        assert _close(json.loads((tmp_path / "expected" / name).read_text()),
+                      json.loads((SPEC / "expected" / name).read_text())), name
+    for path in sorted(EXAMPLES.iterdir()):
+        if not path.name.endswith(".lock"):
+            assert _close(_content(tmp_path / "examples" / path.name), _content(path)), path.name

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import actrace
-from actrace import bins, kernel
+from actrace.format import bins
+from actrace.reduce import kernel
 from actrace.adapters import _torch_reduce
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
@@ -326,7 +327,7 @@ def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli
     assert res.returncode == 0, res.stderr
     assert "runs/a.parquet: " in res.stderr and "steps" in res.stderr and "KiB" in res.stderr
     d = actrace.read_table(tmp_path / "runs" / "a.parquet")
-    from actrace.reader import read_source
+    from actrace.files.reader import read_source
     meta = read_source(tmp_path / "runs" / "a.parquet")[1]
     assert meta["run_name"] == "baseline" and meta["config"] == '{"lr": 0.1}' and len(d) > 0
     crash = cli("record", "-o", tmp_path / "runs" / "b.parquet", "--", "python", script, "crash")

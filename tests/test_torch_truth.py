@@ -118,11 +118,12 @@ def test_activation_modules_of_other_libraries_are_read_once_with_their_kind(tmp
     got = rows(path)
     assert list(got) == ["0", "1", "2", "3"]  # no "1.tanh", no "3.hardtanh"
     assert got["1"]["kind"] == "gelu" and dead(path, "1") == [6 / 24]
-    assert got["3"]["kind"] == "hard_tanh" and (got["3"]["bound_lo"], got["3"]["bound_hi"]) == (-2.0, 2.0)
+    assert got["3"]["kind"] == "clip" and (got["3"]["bound_lo"], got["3"]["bound_hi"]) == (-2.0, 2.0)
     assert metrics(path).filter(pl.col("layer") == "3")["saturation_unit"][0] == 0.5
 
 
-def test_a_two_sided_clamp_is_a_clip_layer_and_a_one_sided_guard_is_not_read(tmp_path):
+def test_a_two_sided_clamp_is_read_by_its_bounds_and_a_one_sided_guard_is_not_read(tmp_path):
+    """clamp(x, 0, 6) is a ReLU6 (as its ONNX export's Clip reads), named by its kind."""
     class Clamped(nn.Module):
         def __init__(self):
             super().__init__()
@@ -135,9 +136,9 @@ def test_a_two_sided_clamp_is_a_clip_layer_and_a_one_sided_guard_is_not_read(tmp
     with torch.no_grad():
         model.fc.bias[:5] = 100.0  # pinned at the upper bound 6
     got = rows(record(nn.Sequential(model), torch.randn(16, 4), tmp_path / "c.parquet"))
-    assert [n for n in got if n.startswith("0.")] == ["0.fc", "0.clamp"]
-    assert got["0.clamp"]["kind"] == "clip" and (got["0.clamp"]["bound_lo"], got["0.clamp"]["bound_hi"]) == (0, 6)
-    assert metrics(tmp_path / "c.parquet").filter(pl.col("layer") == "0.clamp")["saturation_unit"][0] >= 0.5
+    assert [n for n in got if n.startswith("0.")] == ["0.fc", "0.relu6"]
+    assert got["0.relu6"]["kind"] == "relu6" and (got["0.relu6"]["bound_lo"], got["0.relu6"]["bound_hi"]) == (0, 6)
+    assert metrics(tmp_path / "c.parquet").filter(pl.col("layer") == "0.relu6")["saturation_unit"][0] == 0.5
 
 
 class Written(nn.Module):
@@ -162,9 +163,8 @@ def test_activations_as_people_write_them_keep_their_units(tmp_path):
         warnings.simplefilter("error", UserWarning)  # no unit axis lost
         got = rows(record(nn.Sequential(model), torch.randn(6, 5, 8), tmp_path / "w.parquet"))
     kinds = {n: (r["kind"], r["unit_axis"], r["units"]) for n, r in got.items() if n != "0"}
-    assert kinds == {"0.softsign": ("softsign", 2, 12), "0.special_expit": ("sigmoid", 2, 12),
-                     "0.clamp": ("relu", 2, 12)}
-    assert dead(tmp_path / "w.parquet", "0.clamp") == [3 / 12]
+    assert kinds == {"0.softsign": ("softsign", 2, 12), "0.sigmoid": ("sigmoid", 2, 12), "0.relu": ("relu", 2, 12)}
+    assert dead(tmp_path / "w.parquet", "0.relu") == [3 / 12]
 
 
 def test_recurrent_outputs_are_named_by_their_module_and_layer_like_their_gradients(tmp_path):

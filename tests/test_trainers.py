@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import actrace
-from actrace import metadata
+from actrace.format import metadata
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
-from actrace.validate import validate
+from actrace.files.validate import validate
 from conftest import HUNG
 
 

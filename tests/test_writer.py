@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import actrace
-from actrace.reader import TraceError, read_source
-from actrace.validate import validate
+from actrace.files.reader import TraceError, read_source
+from actrace.files.validate import validate
 
 
 def _write(path, steps=3, **kw):
@@ -161,7 +161,7 @@ def test_a_flipped_bit_in_a_data_page_is_corruption_not_a_number(tmp_path):
     """Pages carry CRC checksums that the reader and the validator verify."""
     import pyarrow.parquet as pq
 
-    from actrace.validate import validate
+    from actrace.files.validate import validate
 
     with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
         for step in range(5):
@@ -184,3 +184,16 @@ def test_the_numpy_writer_records_gradients_layer_level_by_default_as_the_monito
     default, full = actrace.read_table(tmp_path / "g.parquet").to_pylist()
     assert default["unit_sum"] is None and default["hist"] is None and default["sumsq"] == 64 * 32
     assert len(full["unit_sum"]) == 64 and sum(full["hist"]) == 64 * 32
+
+
+@pytest.mark.parametrize("kind, bounds, written", [
+    ("hard_tanh", None, ("clip", -1.0, 1.0)), ("hard_tanh", (-2.0, 2.0), ("clip", -2.0, 2.0)),
+    ("clip", (0.0, 6.0), ("relu6", 0.0, 6.0)), ("relu6", None, ("relu6", 0.0, 6.0)), ("clip", (0.0, 1.0), ("clip", 0.0, 1.0))])
+def test_a_clamp_is_written_with_one_kind_whatever_it_was_called(tmp_path, kind, bounds, written):
+    """spec §Layer kinds: the kind of a clamp follows from its bounds, so every framework's agree."""
+    x = np.clip(np.random.default_rng(0).normal(0, 4, (32, 3)), *(bounds or (-1, 6))).astype(np.float32)
+    with actrace.Writer(tmp_path / "c.parquet", run="c") as w:
+        w.record_activation(0, "act", x, kind=kind, bounds=bounds)
+    row = actrace.read_table(tmp_path / "c.parquet").to_pylist()[0]
+    assert (row["kind"], row["bound_lo"], row["bound_hi"]) == written
+    assert validate(tmp_path / "c.parquet") == []

@@ -11,9 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import metadata
-from .metadata import TraceError
-from .schema import SCHEMA, schema_problems
+from actrace.format import metadata
+from actrace.format.metadata import TraceError
+from actrace.format.schema import SCHEMA, schema_problems
 
 
 def expand(pattern) -> list[str]:
@@ -33,6 +33,8 @@ def trace_sources(paths) -> list[Path]:
         if not matches:
             raise TraceError(f"{raw}: no trace matches this pattern")
         for m in map(Path, matches):
+            if m.name.endswith(".parquet.lock"):
+                continue  # a writer's lock beside its trace (spec §Files), which `runs/*` matches too
             if not m.exists():
                 raise TraceError(f"{m}: no such file or directory")
             if m.is_dir() and not m.name.endswith(".parts"):

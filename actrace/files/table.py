@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from .reduce import Reading
-from .schema import SCHEMA, UNIT_COLUMNS
+from actrace.reduce import Reading
+from actrace.format.schema import SCHEMA, UNIT_COLUMNS, canonical_kind
 
 _SCALARS = ("layer", "kind", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
             "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value")
@@ -31,6 +31,7 @@ def readings_to_table(rows: list[tuple[Reading, dict]]) -> pa.Table:
         cols[name] = [ctx[name] for _, ctx in rows]
     for name in _SCALARS:
         cols[name] = [getattr(r, name) for r, _ in rows]
+    cols["kind"] = [canonical_kind(r.kind, r.bounds)[0] for r, _ in rows]  # one kind per clamp, whoever wrote it
     cols["shape"] = [list(r.shape) for r, _ in rows]
     cols["bound_lo"] = [None if r.bounds is None else r.bounds[0] for r, _ in rows]
     cols["bound_hi"] = [None if r.bounds is None else r.bounds[1] for r, _ in rows]

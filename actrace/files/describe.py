@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from .reader import TraceError, part_files, read_source
-from .schema import shown
-from .validate import metadata_problems, row_problems
+from actrace.files.reader import TraceError, part_files, read_source
+from actrace.format.schema import shown
+from actrace.files.validate import metadata_problems, row_problems
 
 
 COLUMNS = ["layer", "layer_index", "kind", "units", "stream", "step", "param"]

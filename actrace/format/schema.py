@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+import numpy as np
 import pyarrow as pa
 
 SPEC_VERSION = "1.2"
@@ -52,6 +53,21 @@ SATURATING_SIDES = {kind: ("hi",) if kind in ("relu6", "softmax") else ("lo", "h
                     for kind, bounds in KIND_BOUNDS.items() if bounds is not None or kind == "clip"}
 # The thresholds t at which `sat_counts` counts values near each bound (spec §Columns).
 SAT_LEVELS = (0.9, 0.99, 0.999)
+# what each of the `sat_counts` counts is: the bound's side and the level, outermost first on the
+# low side, innermost first on the high one: [lo at 0.999, 0.99, 0.9, hi at 0.9, 0.99, 0.999]
+SAT_COUNTS = tuple(("lo", t) for t in reversed(SAT_LEVELS)) + tuple(("hi", t) for t in SAT_LEVELS)
+
+
+def sat_margin(lo, hi, t):
+    """How near a bound a value of a kind bounded by [lo, hi] is saturated at level t: within
+    (1 − t) · max(|lo|, |hi|) of it (spec §Metrics). Scalars or numpy arrays."""
+    return (1.0 - t) * np.maximum(np.abs(lo), np.abs(hi))
+
+
+def sat_thresholds(bounds: tuple[float, float]) -> list[float]:
+    """The threshold of each `sat_counts` count, in its order: a value at or beyond it is counted."""
+    lo, hi = bounds
+    return [lo + sat_margin(lo, hi, t) if side == "lo" else hi - sat_margin(lo, hi, t) for side, t in SAT_COUNTS]
 # activation names as frameworks spell them (functions, the core of class names), lower case with
 # only letters and digits, and the kind each one is: every adapter's one table (`activation_kind`)
 _ACTIVATION_NAMES = {
@@ -136,6 +152,27 @@ def activation_kind(name: str) -> str | None:
     """The kind of an activation named `name` by any framework (`leaky_relu`, `LeakyReLU`'s core
     `leakyrelu`, Keras's `hard_silu`), or None."""
     return _ACTIVATION_NAMES.get("".join(c for c in name.lower() if c.isalnum()))
+
+
+def clamp_kind(lo, hi) -> tuple[str, tuple[float, float] | None] | None:
+    """(kind, bounds) of a clamp to [lo, hi], `None` for an open side (torch's clamp, hardtanh and
+    ReLU6, ONNX's Clip, Flax's and Keras's hard_tanh): every adapter's one rule (spec §Layer kinds).
+    [0, 6] is a `relu6`, any other two bounds a `clip` with them, [0, ∞) a `relu`, and any other
+    one-sided clamp a guard, not an activation (None)."""
+    lo, hi = (None if v is None else float(v) for v in (lo, hi))
+    if (lo, hi) == (0.0, 6.0):
+        return "relu6", None
+    if lo is not None and hi is not None:
+        return "clip", (lo, hi)
+    return ("relu", None) if lo == 0.0 and hi is None else None
+
+
+def canonical_kind(kind: str, bounds: tuple[float, float] | None = None) -> tuple[str, tuple[float, float] | None]:
+    """A reading's kind and bounds as the spec writes them: a clamp (`hard_tanh`, `relu6`, `clip`)
+    by `clamp_kind` of its bounds, so the same function has one kind in every framework."""
+    if kind in ("hard_tanh", "relu6", "clip") and (bounds is not None or KIND_BOUNDS[kind] is not None):
+        return clamp_kind(*bounds_for(kind, bounds))
+    return kind, bounds
 
 
 def bounds_for(kind: str, bounds: tuple[float, float] | None = None) -> tuple[float, float] | None:

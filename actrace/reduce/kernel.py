@@ -1,4 +1,4 @@
-"""The fused float32 reduction kernel (actrace/_kernel.c) through ctypes, with its lookup table.
+"""The fused float32 reduction kernel (_kernel.c beside it) through ctypes, with its lookup table.
 
 `reduce_many` runs a batch of tensors on every thread at once: on the OpenMP team of a framework
 already in the process (PyTorch's libgomp, whose idle threads would otherwise spin beside ours),
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import bins
+from actrace.format import bins
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -42,7 +42,7 @@ class LayoutError(ImportError):
 def _load():
     """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking
     that the C structs are laid out as the ctypes ones here; None when the kernel is not built."""
-    spec = importlib.util.find_spec("actrace._kernel")
+    spec = importlib.util.find_spec("actrace.reduce._kernel")
     if spec is None or not spec.origin:
         return None
     lib = ctypes.CDLL(spec.origin)

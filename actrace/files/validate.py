@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import metadata
-from .bins import N_BINS
-from .reader import TraceError, _read, part_files, trace_sources
-from .schema import (KIND_BOUNDS, KINDS, MAX_NAME, READING_KEY, SAT_LEVELS, SCALAR_INDEX, SCHEMA, SPEC_VERSION,
+from actrace.format import metadata
+from actrace.format.bins import N_BINS
+from actrace.files.reader import TraceError, _read, part_files, trace_sources
+from actrace.format.schema import (KIND_BOUNDS, KINDS, MAX_NAME, READING_KEY, SAT_COUNTS, SCALAR_INDEX, SCHEMA, SPEC_VERSION,
                      STREAMS, UNIT_COLUMNS, FORBIDDEN_IN_NAMES, minor_version, schema_problems)
 
 MAX_ROWS_PER_CHECK = 5
@@ -175,14 +175,16 @@ def row_problems(t: pa.Table, path, *, read=None, newer_minor: bool = False) -> 
 
 
 def _sat_counts(rows, t: pa.Table, non_nan: np.ndarray | None) -> None:
-    n = 2 * len(SAT_LEVELS)
+    n = len(SAT_COUNTS)
     lengths = pc.list_value_length(t["sat_counts"]).fill_null(-1).to_numpy(zero_copy_only=False)
     rows((lengths >= 0) & (lengths != n), "sat_counts", f"must have exactly {n} counts")
     has = lengths == n
     if has.any():
         c = np.asarray(pc.list_flatten(t.filter(pa.array(has))["sat_counts"]).to_numpy(zero_copy_only=False)
                        ).reshape(-1, n)
-        inward = np.concatenate([c[:, : n // 2], c[:, n // 2:][:, ::-1]], axis=1)  # outermost first, per side
+        outermost_first = [i for i, (side, _) in enumerate(SAT_COUNTS) if side == "lo"] + \
+            [i for i, (side, _) in enumerate(SAT_COUNTS) if side == "hi"][::-1]
+        inward = c[:, outermost_first]
         bad = (np.diff(inward[:, : n // 2]) < 0).any(1) | (np.diff(inward[:, n // 2:]) < 0).any(1) | (c < 0).any(1)
         if non_nan is not None:
             bad |= (c > non_nan[has, None]).any(1)

@@ -100,7 +100,7 @@ def _sequence_model(run: DemoRun, torch):
 
 
 def train(run: DemoRun, out: Path, export_dir: Path | None, torch) -> None:
-    from .adapters.torch import Monitor
+    from actrace.adapters.torch import Monitor
 
     torch.manual_seed(0)
     batch, probe = _data(torch)
@@ -137,11 +137,11 @@ def run_demo(out_dir) -> int:
     import numpy as np
     import torch
 
-    from .adapters.onnx import record_onnx
-    from .analyzer.analysis import analyze
-    from .analyzer.report import build_report
-    from .output import write
-    from .analyzer.summary import format_findings
+    from actrace.adapters.onnx import record_onnx
+    from actrace.analyzer.analysis import analyze
+    from actrace.analyzer.report import build_report
+    from actrace.files.output import write
+    from actrace.analyzer.summary import format_findings
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -13,11 +13,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import SPEC_MAJOR, SPEC_VERSION
+from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION
 
 PREFIX = "actrace:"
 KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
         "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode", "status")
+
+
+__version__ = "0.1.0"  # this package's, written as `adapter_version` (pyproject reads it here)
 
 
 class TraceError(Exception):
@@ -27,8 +30,6 @@ class TraceError(Exception):
 def make(*, run: str, framework: str, framework_version: str | None, adapter: str, config: dict | None,
          probe_fingerprint: str | None, probe_size: int | None, mode: str | None) -> dict[str, str]:
     """A new trace's metadata (unprefixed keys, string values; empty where unknown)."""
-    from . import __version__
-
     return {
         "spec_version": SPEC_VERSION, "run_name": run, "run_id": uuid.uuid4().hex,
         "framework": framework, "framework_version": framework_version or "",

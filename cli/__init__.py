@@ -1,4 +1,4 @@
-"""The `actrace` command: the one place that knows the core, the adapters and the analyzer."""
+"""The `actrace` command: the top floor, the one place that knows the core, the adapters and the analyzer."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import os
 import sys
 import warnings
 
-from .reader import TraceError, trace_sources
-from .schema import shown
+from actrace.files.reader import TraceError, trace_sources
+from actrace.format.schema import shown
 
 EXAMPLES = """examples:
   actrace demo                                          # the main job on built-in data
@@ -56,17 +56,17 @@ def progress(message: str) -> None:
 
 def analysis(args):
     """Every trace read once, with the analyzer commands' common options."""
-    from .analyzer.analysis import analyze
-    from .analyzer.compare import load_mapping
-    from .analyzer.findings import ADVICE
-    from .analyzer.metrics import Thresholds
+    from actrace.analyzer.analysis import analyze
+    from actrace.analyzer.compare import load_mapping
+    from actrace.analyzer.findings import ADVICE
+    from actrace.analyzer.metrics import Thresholds
 
     th = Thresholds(args.dead_eps, args.sat_threshold)
     unknown = sorted(set(getattr(args, "allow", ())) - set(ADVICE))
     if unknown:
         raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
     if getattr(args, "output", None):  # refused before any work: an input, a link, another kind of file
-        from .output import check
+        from actrace.files.output import check
 
         check(args.output, output_kind(args), trace_sources(args.paths), args.force)
     progress("reading traces, computing metrics and findings")
@@ -83,10 +83,10 @@ def output_kind(args) -> str:
 
 
 def emit(text: str, args, what: str) -> None:
-    """Write a command's answer to its -o (spec of actrace.output: never over an input, a link or
+    """Write a command's answer to its -o (spec of actrace.files.output: never over an input, a link or
     another kind of file; atomically), saying so, or to stdout."""
     if args.output:
-        from .output import write
+        from actrace.files.output import write
 
         write(args.output, text, output_kind(args), trace_sources(args.paths), args.force)
         progress(f"wrote {what} to {args.output}")
@@ -95,7 +95,7 @@ def emit(text: str, args, what: str) -> None:
 
 
 def cmd_summary(args) -> int:
-    from .analyzer.summary import format_findings, format_parting, layer_table, machine_metrics
+    from actrace.analyzer.summary import format_findings, format_parting, layer_table, machine_metrics
 
     a = analysis(args)
     if args.format != "text":
@@ -111,7 +111,7 @@ def cmd_summary(args) -> int:
         print()
         print(format_parting(parted, args.baseline or a.baseline, others))
     if args.by:
-        from .analyzer.sweep import as_text, sweep
+        from actrace.analyzer.sweep import as_text, sweep
 
         print()
         print(as_text(sweep(a.aligned, a.findings, a.runs, args.by)), end="")
@@ -119,8 +119,8 @@ def cmd_summary(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .analyzer.report import build_report
-    from .analyzer.summary import format_findings
+    from actrace.analyzer.report import build_report
+    from actrace.analyzer.summary import format_findings
 
     a = analysis(args)
     page = build_report(a, baseline=args.baseline, progress=progress)
@@ -131,7 +131,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_findings(args) -> int:
-    from .analyzer.summary import format_findings, machine_findings
+    from actrace.analyzer.summary import format_findings, machine_findings
 
     a = analysis(args)
     found = a.findings
@@ -141,7 +141,7 @@ def cmd_findings(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .analyzer.check import LIMITS, as_json, as_junit, as_text, violations
+    from actrace.analyzer.check import LIMITS, as_json, as_junit, as_text, violations
 
     a = analysis(args)
     runs = [meta.get("run_name") for meta in a.runs]
@@ -156,7 +156,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from .analyzer.diff import METRICS, as_csv, as_json, as_text, diff
+    from actrace.analyzer.diff import METRICS, as_csv, as_json, as_text, diff
 
     if args.compared:  # diff A1 A2 A3 -- B C: the baseline's seeds, then the runs compared with them
         base_paths, args.paths = args.paths, args.paths + args.compared
@@ -182,7 +182,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .analyzer.sweep import as_json, as_text, sweep
+    from actrace.analyzer.sweep import as_json, as_text, sweep
 
     a = analysis(args)
     s = sweep(a.aligned, a.findings, a.runs, args.by)
@@ -191,7 +191,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validate import validate_source
+    from actrace.files.validate import validate_source
 
     n_bad = 0
     for source in trace_sources(args.paths):  # a path that names nothing is a usage error: exit 2
@@ -205,7 +205,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .describe import describe, format_description
+    from actrace.files.describe import describe, format_description
 
     out = [describe(s) for s in trace_sources(args.paths)]
     print(json.dumps(out if len(out) > 1 else out[0], indent=2) if args.json
@@ -230,7 +230,7 @@ def _stamp(path) -> float | None:
     """When the trace at `path` (or its part files) last changed; None if there is none."""
     from pathlib import Path
 
-    from .writer import parts_dir
+    from actrace.files.writer import parts_dir
 
     times = [p.stat().st_mtime for p in (Path(path), parts_dir(Path(path))) if p.exists()]
     return max(times) if times else None
@@ -241,8 +241,8 @@ def report_trace(path, before: float | None = None) -> None:
     size; `before`: the trace's stamp before the run, so an older trace is not reported as new."""
     from pathlib import Path
 
-    from .describe import describe
-    from .writer import parts_dir
+    from actrace.files.describe import describe
+    from actrace.files.writer import parts_dir
 
     path = Path(path)
     source = path if path.exists() else parts_dir(path)
@@ -267,7 +267,7 @@ def cmd_record(args) -> int:
         if not first.endswith(".onnx") and not any(c in first for c in "*?["):
             raise ValueError(f"{first!r} is not an ONNX model; to record a training script, put -- before it: "
                              f"actrace record -o {args.output} -- {' '.join(args.model)}")
-        from .adapters.onnx import record_onnx
+        from actrace.adapters.onnx import record_onnx
 
         record_onnx(args.model, args.probe, args.output, run=args.run, config=config, layers=args.layers,
                     op_types=args.op_types, steps=args.steps, step_pattern=args.step_pattern,
@@ -442,7 +442,3 @@ def main(argv=None) -> int:
         return 2
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import metadata
-from .reduce import Reading, ReductionError, reduce_array
-from .schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
-from .table import readings_to_table
+from actrace.format import metadata
+from actrace.reduce import Reading, ReductionError, reduce_array
+from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
+from actrace.files.table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)

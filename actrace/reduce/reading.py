@@ -1,0 +1,151 @@
+"""A `Reading`: one layer's reductions for one stream, as every backend gives them (spec §Columns),
+and how two readings of chunks of one tensor merge by the schema's merge rules (spec §Columns).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from actrace.format.schema import MERGE, SCHEMA, UNIT_COLUMNS
+
+_OUTWARD = {"unit_min": -np.inf, "unit_max": np.inf, "unit_min_dev": -np.inf}  # float32 columns: round this way
+_UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype() for name in UNIT_COLUMNS}
+
+
+class ReductionError(ValueError):
+    """A tensor that cannot be reduced (empty, not floating point, bad unit axis)."""
+
+
+@dataclass
+class Reading:
+    """One layer's reductions for one stream; per-unit arrays and hist may be None."""
+
+    layer: str
+    kind: str
+    stream: str
+    dtype: str
+    shape: tuple[int, ...]
+    unit_axis: int | None
+    units: int
+    count: int
+    nan_count: int
+    inf_count: int
+    zero_count: int
+    sum: float
+    sumsq: float
+    min: float
+    max: float
+    bounds: tuple[float, float] | None = None
+    param: str | None = None
+    update_norm: float | None = None
+    unit_count: np.ndarray | None = None
+    unit_zero: np.ndarray | None = None
+    unit_sum: np.ndarray | None = None
+    unit_sumsq: np.ndarray | None = None
+    unit_min: np.ndarray | None = None
+    unit_max: np.ndarray | None = None
+    unit_min_dev: np.ndarray | None = None
+    hist: np.ndarray | None = None
+    sat_counts: np.ndarray | None = None
+    value: float | None = None
+
+    @classmethod
+    def scalar(cls, name: str, value) -> "Reading":
+        """A training-loop value (the loss, the learning rate) as a `scalar` row (spec §Streams): the
+        value as given, NaN and ±inf included, and the counts of a one-value tensor."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ReductionError(f"scalar {name!r}: {value!r} is not a number") from None
+        finite = math.isfinite(v)
+        return cls(layer=name, kind="other", stream="scalar", dtype="float64", shape=(), unit_axis=None, units=1,
+                   count=1, nan_count=int(math.isnan(v)), inf_count=int(math.isinf(v)), zero_count=int(v == 0),
+                   sum=v if finite else 0.0, sumsq=v * v if finite else 0.0, min=v if finite else math.nan,
+                   max=v if finite else math.nan, value=v)
+
+    @classmethod
+    def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
+                   **meta) -> "Reading":
+        """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
+        `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
+        totals follow from them (spec §Columns). Without `per_unit` only the totals are kept.
+        Float64 extremes are rounded outward to float32, so a nonzero value never becomes 0."""
+        v = {k: np.asarray(x) for k, x in stats.items() if x is not None}
+        unit_axis = None if unit_axis is None else unit_axis % len(shape)
+        r = cls(shape=tuple(int(n) for n in shape), unit_axis=unit_axis,
+                units=1 if unit_axis is None else int(shape[unit_axis]), count=math.prod(shape),
+                nan_count=int(v["nan_count"].sum()), inf_count=int(v["inf_count"].sum()),
+                zero_count=int(v["unit_zero"].sum()), sum=float(v["unit_sum"].sum()),
+                sumsq=float(v["unit_sumsq"].sum()),
+                # units with no finite value hold NaN extremes, which fmin/fmax pass over
+                min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
+                hist=v["hist"].astype(np.int64) if "hist" in v else None,
+                sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **meta)
+        if per_unit:
+            for name, dtype in _UNIT_DTYPES.items():
+                value = v[name].reshape(-1)
+                setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype))
+        return r
+
+    @classmethod
+    def from_totals(cls, totals: dict[str, np.ndarray], metas: list[dict], scale: float = 1.0) -> list["Reading"]:
+        """Layer-level readings (no per-unit columns) of many tensors at once, from arrays of their
+        whole-tensor statistics (`kernel.TOTALS`, one row per tensor) and each one's `shape`,
+        `unit_axis`, `layer` …; the statistics of values that carry a factor `scale` (a loss
+        scaler's) are divided by it. A per-step gradient reading makes dozens of these."""
+        rows = zip(*(totals[k].tolist() for k in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero",
+                                                  "nan_count", "inf_count")))
+        out = []
+        for (total, squares, lo, hi, zeros, nans, infs), meta in zip(rows, metas):
+            shape = tuple(meta.pop("shape"))
+            axis = meta.pop("unit_axis")
+            out.append(cls(shape=shape, unit_axis=axis, units=1 if axis is None else shape[axis],
+                           count=math.prod(shape), nan_count=nans, inf_count=infs, zero_count=zeros,
+                           sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta))
+        return out
+
+
+def outward(v: np.ndarray, toward: float) -> np.ndarray:
+    """`v` as float32, each value rounded toward `toward` (-inf for a minimum, +inf for a maximum)
+    where float32 cannot hold it: a stored minimum is never above the true one (spec §Numerics)."""
+    f = v.astype(np.float32)
+    if v.dtype == np.float64:
+        with np.errstate(invalid="ignore"):
+            off = f > v if toward < 0 else f < v
+        f[off] = np.nextafter(f[off], np.float32(toward))
+    return f
+
+
+def combine(rule: str, a, b, lib=np):
+    """Two chunks' values of one column by its spec merge rule (`schema.MERGE`): `sum` adds, `min`
+    and `max` skip NaN, `concat` adds batch extents. `lib` is numpy or torch."""
+    if rule in ("sum", "concat"):
+        return a + b
+    if rule == "min":
+        return lib.fmin(a, b)
+    if rule == "max":
+        return lib.fmax(a, b)
+    raise ValueError(f"no values to combine under merge rule {rule!r}")
+
+
+def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
+    """Combine the readings of two chunks of one tensor split along `batch_axis`, column by column
+    by the schema's merge rules (`bounds` stands for `bound_lo`/`bound_hi`)."""
+    out = {}
+    for f in fields(Reading):
+        name, va, vb = f.name, getattr(a, f.name), getattr(b, f.name)
+        rule = MERGE.get(name, "same")
+        if rule == "same":
+            if va != vb:
+                raise ReductionError(f"layer {a.layer!r}: cannot merge readings whose {name} differ "
+                                     f"({va!r} vs {vb!r})")
+            out[name] = va
+        elif rule == "concat":
+            out[name] = tuple(n + m if i == batch_axis else n for i, (n, m) in enumerate(zip(va, vb)))
+        elif rule == "none" or va is None or vb is None:
+            out[name] = None
+        else:
+            out[name] = combine(rule, va, vb)
+    return Reading(**out)
