@@ -20,11 +20,10 @@ import warnings
 import keras
 import numpy as np
 
-import actrace
 from actrace.format.fingerprint import fingerprint
-from actrace.reduce import param_grad_job, reduce_arrays
 from actrace.format.schema import activation_kind
-from actrace.files.writer import script_options
+from actrace.record import Recorder, patterns
+from actrace.reduce import param_grad_job, reduce_arrays
 
 __all__ = ["TraceCallback", "layer_kind"]
 
@@ -60,49 +59,66 @@ def unit_axis(layer, ndim: int) -> int:
 
 class TraceCallback(keras.callbacks.Callback):
     """Record a `fit` run to `out`: a probe reading every `probe_every` batches (and at the end),
-    gradient readings every `grad_every` batches where the backend keeps gradients."""
+    gradient readings every `grad_every` batches where the backend keeps gradients; `include`/
+    `exclude` are glob patterns on layer names."""
 
     def __init__(self, probe, out=None, *, probe_every: int = 200, grad_every: int = 1, run: str | None = None,
-                 config: dict | None = None, histogram: bool = True, overwrite: bool | None = None):
+                 config: dict | None = None, include=None, exclude=None, histogram: bool = True,
+                 overwrite: bool | None = None, flush_every: int = 4096):
         super().__init__()
         self.probe = probe if isinstance(probe, (list, tuple, dict)) else np.asarray(probe)
-        self.options, self.histogram = script_options(out, run, config, overwrite), histogram
-        self.probe_every, self.grad_every = probe_every, grad_every
-        self.writer, self.step, self._warned = None, -1, False
+        self.options = dict(out=out, probe_every=probe_every, grad_every=grad_every, run=run, config=config,
+                            include=include, exclude=exclude, histogram=histogram, overwrite=overwrite,
+                            flush_every=flush_every)
+        self.recorder: Recorder | None = None
 
     def on_train_begin(self, logs=None):
-        self.layers = [layer for layer in self.model.layers if layer_kind(layer)]
-        self.depth = {layer.name: i for i, layer in enumerate(self.model.layers)}  # layer_index: forward order
-        try:
-            self.view = keras.Model(self.model.inputs, [layer.output for layer in self.layers])
-        except (AttributeError, ValueError) as exc:
-            raise ValueError(f"actrace: the model {self.model.name!r} has no symbolic inputs and outputs to read "
-                             f"its layers through (a subclassed model): build it with keras.Input ({exc})") from None
-        arrays = self.probe if isinstance(self.probe, dict) else {"probe": self.probe}
-        self.writer = actrace.Writer(
-            **self.options, framework="keras", framework_version=f"{keras.__version__} ({keras.backend.backend()})",
-            adapter="actrace.adapters.keras", mode="eval",
-            probe_fingerprint=fingerprint({k: np.asarray(v) for k, v in arrays.items()}),
-            probe_size=len(next(iter(arrays.values()))))
+        self.recorder = FitRecorder(self.model, self.probe, **self.options)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
-        if self.step % self.grad_every == 0:
-            self.gradient_reading(self.step)
-        if self.step % self.probe_every == 0:
-            self.probe_reading(self.step)
-        lr = getattr(self.model.optimizer, "learning_rate", None)
-        self.writer.log(self.step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),
-                        **{k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
+        self.recorder.batch_end(self.model, logs)  # `self.model` syncs a JAX trainer's state into the variables
 
     def on_train_end(self, logs=None):
-        if self.writer is None:
-            return
-        if self.step >= 0 and self.step % self.probe_every:
-            self.probe_reading(self.step)  # trends need the end of the run
-        self.writer.close()
+        if self.recorder is not None:
+            self.recorder.model = self.model
+            self.recorder.close()
 
-    def probe_reading(self, step: int) -> None:
+
+class FitRecorder(Recorder):
+    """The readings of one `fit`: its model's layers read through a functional view of them."""
+
+    def __init__(self, model, probe, out=None, *, include=None, exclude=None, histogram: bool = True, **options):
+        self.model, self.probe, self.histogram, self._warned = model, probe, histogram, False
+        self.include, self.exclude = patterns(include), patterns(exclude)
+        self.layers = [layer for layer in model.layers if layer_kind(layer) and self.wanted(layer.name)]
+        try:
+            self.view = keras.Model(model.inputs, [layer.output for layer in self.layers])
+        except (AttributeError, ValueError) as exc:
+            raise ValueError(f"actrace: the model {model.name!r} has no symbolic inputs and outputs to read "
+                             f"its layers through (a subclassed model): build it with keras.Input ({exc})") from None
+        arrays = probe if isinstance(probe, dict) else {"probe": probe}
+        super().__init__(
+            out, framework="keras", framework_version=f"{keras.__version__} ({keras.backend.backend()})",
+            adapter="actrace.adapters.keras", mode="eval", probe_size=len(next(iter(arrays.values()))),
+            probe_fingerprint=fingerprint({k: np.asarray(v) for k, v in arrays.items()}), include=include,
+            exclude=exclude, **options)
+        for layer in self.layers:  # layer_index: forward order
+            self.order(layer.name)
+
+    def batch_end(self, model, logs) -> None:
+        """Readings when due after a training batch, and what `fit` logged after it."""
+        self.model = model
+        step = 0 if self.last_step is None else self.last_step + 1
+        if self.grads_due(step):
+            self.gradient_reading(step)
+        if self.probe_due(step):
+            self.probe_reading(step)
+        self.last_step = step
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        self.log(step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),
+                 **{k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
+
+    def probe_reading(self, step: int) -> int:
         given = self.probe if isinstance(self.probe, (list, tuple, dict)) else [self.probe]  # as model.inputs
         outputs = self.view(given, training=False)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
@@ -112,21 +128,20 @@ class TraceCallback(keras.callbacks.Callback):
             if x.dtype.kind == "f" and x.size:
                 jobs.append((x, unit_axis(layer, x.ndim), layer_kind(layer), dict(layer=layer.name,
                                                                                    histogram=self.histogram)))
-        readings = reduce_arrays(jobs)
-        self.writer.record_many(step, readings, layer_indexes=[self.depth[r.layer] for r in readings])
+        self.last_probe = step
+        return self.write(step, reduce_arrays(jobs))
 
-    def gradient_reading(self, step: int) -> None:
+    def gradient_reading(self, step: int) -> int:
         """Layer-level readings of each trainable variable's gradient (torch backend only)."""
         grads = [(layer, v, getattr(v.value, "grad", None)) for layer in self.model.layers
-                 for v in layer.trainable_weights]
+                 for v in layer.trainable_weights if self.wanted(layer.name)]
         found = [(layer, v, g) for layer, v, g in grads if g is not None]
         if not found:
             if not self._warned and grads:
                 warnings.warn(f"actrace: the {keras.backend.backend()} backend keeps no gradients after a step, "
                               "so this run has probe readings only (the torch backend has both)", stacklevel=2)
                 self._warned = True
-            return
+            return 0
         jobs = [param_grad_job(g.detach().cpu().numpy(), layer.name, v.name, layer_kind(layer) or "other")
                 for layer, v, g in found]
-        readings = reduce_arrays(jobs)
-        self.writer.record_many(step, readings, layer_indexes=[self.depth[r.layer] for r in readings])
+        return self.write(step, reduce_arrays(jobs), mode="train")

@@ -89,7 +89,7 @@ def c_kernel(x, axis, kind, halves):
 def _torch_reading(x, axis, kind, halves, device, relu_too=False):
     import torch
 
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16 \
         else torch.from_numpy(x)
@@ -102,7 +102,7 @@ def _torch_reading(x, axis, kind, halves, device, relu_too=False):
 
 
 def torch_ops(x, axis, kind, halves, monkeypatch):
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     monkeypatch.setattr(kernel, "available", False)  # the path any tensor takes where the kernel is not
     (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
@@ -110,14 +110,14 @@ def torch_ops(x, axis, kind, halves, monkeypatch):
 
 
 def torch_fused(x, axis, kind, halves):
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
     return r
 
 
 def torch_cuda(x, axis, kind, halves):
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cuda")])
     return r
@@ -233,7 +233,7 @@ def test_the_reference_gives_the_values_planted_in_it():
 def test_torch_reads_relu_from_its_inputs_pass_as_the_reference_reads_relu(case, dtype):
     """The fused pass over x also gives relu(x)'s statistics (a following ReLU needs no pass)."""
     torch = pytest.importorskip("torch")
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     if not kernel.available:
         pytest.skip("the compiled kernel is not built here")
@@ -249,7 +249,7 @@ def test_torch_reads_relu_from_its_inputs_pass_as_the_reference_reads_relu(case,
 
 def test_empty_and_non_float_tensors_are_refused_by_every_path():
     torch = pytest.importorskip("torch")
-    from actrace.adapters import _torch_reduce as tr
+    from actrace.reduce import torch as tr
 
     for bad, message in ((np.zeros((0, 4), np.float32), "empty"), (np.zeros((2, 4), np.int64), "int64")):
         with pytest.raises(ReductionError, match=rf"layer 'blocks\.3'.*{message}"):

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import actrace
 from actrace.format import metadata
-from actrace.adapters._torch_trace import ForwardTrace
+from actrace.adapters.torch.trace import ForwardTrace
 from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import findings

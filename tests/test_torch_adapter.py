@@ -14,7 +14,7 @@ from torch import nn
 import actrace
 from actrace.format import bins
 from actrace.reduce import kernel
-from actrace.adapters import _torch_reduce
+from actrace.reduce import torch as _torch_reduce
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
 from actrace.reduce import reduce_array
@@ -340,7 +340,7 @@ def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli
 def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype):
     """`layer_readings` (one kernel batch for CPU float32, torch kernels otherwise) against the numpy
     reference, on hard values: NaN, ±inf, zeros, a tensor cut among threads, a 0-d one; scaled."""
-    from actrace.adapters._torch_reduce import layer_readings
+    from actrace.reduce.torch import layer_readings
     from actrace.reduce import reference
 
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import actrace
-from actrace.adapters._torch_kinds import ACTIVATIONS
+from actrace.adapters.torch.kinds import ACTIVATIONS
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.metrics import metrics
 

@@ -384,7 +384,7 @@ def test_a_probe_the_model_cannot_take_fails_at_construction_in_one_line(tmp_pat
 
 
 def test_a_nested_tensor_is_read_over_its_real_values_only():
-    from actrace.adapters._torch_reduce import reduce_tensor, to_readings
+    from actrace.reduce.torch import reduce_tensor, to_readings
     from actrace.reduce import reduce_array
 
     a, b = torch.randn(3, 4), torch.randn(5, 4)

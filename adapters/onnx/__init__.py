@@ -23,8 +23,8 @@ from actrace.reduce import merge, reduce_arrays
 
 from actrace.format.schema import KINDS, shown
 
-from ._onnx_graph import OP_KINDS, RECURRENT_OPS, Layer
-from ._onnx_graph import layers as graph_layers
+from .graph import OP_KINDS, RECURRENT_OPS, Layer
+from .graph import layers as graph_layers
 
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
@@ -46,7 +46,7 @@ def _load(path: Path):
 
 
 def select_tensors(model, layers=None, op_types=None, input_axes=None) -> list[Layer]:
-    """The framework's layers to read (adapters/_onnx_graph.py), filtered by name glob, and by op
+    """The framework's layers to read (adapters/onnx/graph.py), filtered by name glob, and by op
     type or kind (`Relu`, `Gemm`, `silu`: a decomposed activation is known by its kind)."""
     kinds = set(KINDS)
     recurrent = set(RECURRENT_OPS)
@@ -158,7 +158,7 @@ class Checkpoint:
         read = {t.output: t for t in self.tensors}
         self.relu_of = {t.input: t for t in self.tensors if t.input in read and read[t.input].axis == t.axis}
         self.fetched = [t for t in self.tensors if t not in self.relu_of.values() and t.recurrent is None]
-        # a recurrent node's readings are computed from its inputs and outputs (adapters/_onnx_recurrent.py)
+        # a recurrent node's readings are computed from its inputs and outputs (adapters/onnx/recurrent.py)
         ops = list({id(t.recurrent): t.recurrent for t in self.tensors if t.recurrent}.values())
         self.recurrent = [(op, [t for t in self.tensors if t.recurrent is op]) for op in ops]  # and its readings
         self.unread = {t.name: t.recurrent.unread for t in self.tensors

@@ -12,7 +12,7 @@ from torch import nn
 
 from actrace.format.schema import ACTIVATION_KINDS, activation_kind, clamp_kind
 
-from ._torch_axes import arg as _arg
+from .axes import arg as _arg
 
 _NN_ACTIVATIONS: list[tuple[type, str]] = [
     (nn.Hardtanh, "clip"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),

@@ -7,7 +7,7 @@ readings of the grads pytree, in a training loop the user writes.
         monitor.step(step, params=params, grads=grads)
     monitor.close()
 
-A probe reading runs the probe through a `_flax_trace.ProbeTrace`, traced once: every module of a
+A probe reading runs the probe through a `trace.ProbeTrace`, traced once: every module of a
 known kind is read at its output (`Dense` → `linear`, `Conv` → `conv`, norms, `Embed`, attention)
 and every activation at its output (`nn.relu`, `jax.nn.gelu`, `jnp.tanh`, ..., however it was
 called), with units on the last axis. Evaluation behaviour: an nnx model is read through a copy
@@ -17,18 +17,17 @@ parameter (`fc1`, `kernel`). Steps are the user's. Reductions are the core's.
 """
 from __future__ import annotations
 
-import fnmatch
 import warnings
+
 import flax
 import jax
 import numpy as np
 
-import actrace
 from actrace.format.fingerprint import fingerprint
+from actrace.record import Recorder
 from actrace.reduce import param_grad_job, reduce_arrays
-from actrace.files.writer import script_options
 
-from ._flax_trace import ProbeTrace, linen_calls, nnx_calls
+from .trace import ProbeTrace, linen_calls, nnx_calls
 
 __all__ = ["Monitor"]
 
@@ -55,33 +54,27 @@ def leaf_names(path) -> tuple[str, str]:
     return ".".join(parts[:-1]) or parts[-1], parts[-1]
 
 
-class Monitor:
+class Monitor(Recorder):
     """Watch a Flax model: probe readings every `probe_every` steps, gradient readings every
     `grad_every` steps that pass `grads`. `include`/`exclude` are glob patterns on reading names;
     `apply_kwargs` go to a linen model's `apply` (what makes it deterministic: `train=False`)."""
 
     def __init__(self, model, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
                  run: str | None = None, config: dict | None = None, include=None, exclude=None,
-                 apply_kwargs: dict | None = None, histogram: bool = True, overwrite: bool | None = None):
+                 apply_kwargs: dict | None = None, histogram: bool = True, overwrite: bool | None = None,
+                 flush_every: int = 4096):
         self.model, self.nnx = model, _is_nnx(model)
         self.probe = tuple(probe) if isinstance(probe, (list, tuple)) else (probe,)
-        self.probe_every, self.grad_every, self.histogram = probe_every, grad_every, histogram
-        self.apply_kwargs = dict(apply_kwargs or {})
-        self.include = [include] if isinstance(include, str) else list(include or [])
-        self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        self.histogram, self.apply_kwargs = histogram, dict(apply_kwargs or {})
         arrays = {f"probe{i}": np.asarray(x) for i, x in enumerate(self.probe)}
-        self.writer = actrace.Writer(
-            **script_options(out, run, config, overwrite), framework="jax",
-            framework_version=f"jax {jax.__version__}, flax {flax.__version__}", adapter="actrace.adapters.flax",
+        super().__init__(
+            out, framework="jax", framework_version=f"jax {jax.__version__}, flax {flax.__version__}",
+            adapter="actrace.adapters.flax", mode="eval", probe_size=len(self.probe[0]),
             probe_fingerprint=fingerprint(arrays, {k: str(a.dtype) for k, a in arrays.items() if a.dtype.kind == "V"}),
-            probe_size=len(self.probe[0]), mode="eval")
+            probe_every=probe_every, grad_every=grad_every, run=run, config=config, include=include, exclude=exclude,
+            overwrite=overwrite, flush_every=flush_every)
         self.trace: ProbeTrace | None = None
-        self.layer_index: dict[str, int] = {}
-        self.params, self.closed, self._last_step, self._last_probe = None, False, None, None
-
-    def _wanted(self, name: str) -> bool:
-        return ((not self.include or any(fnmatch.fnmatchcase(name, p) for p in self.include))
-                and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude))
+        self.params = None
 
     def _state(self, params):
         """The forward's first argument: a linen model's variables, an nnx model's state."""
@@ -116,12 +109,12 @@ class Monitor:
             x = x.reshape(*x.shape[:-read.feature_axes], -1) if read.feature_axes > 1 else x
             axis = None if read.unit_axis is None or x.ndim < 2 else read.unit_axis % x.ndim
             jobs.append((x, axis, read.kind, dict(layer=read.name, histogram=self.histogram)))
-        self._last_probe = step
-        return self._write(step, reduce_arrays(jobs))
+        self.last_probe = step
+        return self.write(step, reduce_arrays(jobs))
 
     def _trace(self, state) -> ProbeTrace:
         try:
-            trace = ProbeTrace(self._forward, (state, *self.probe), self._wanted)
+            trace = ProbeTrace(self._forward, (state, *self.probe), self.wanted)
         except Exception as exc:
             hint = "" if self.nnx else (" (give params= every collection it reads, batch_stats too, as "
                                         "{'params': ..., 'batch_stats': ...}, and apply_kwargs= what puts it in "
@@ -132,7 +125,7 @@ class Monitor:
                           f"{len(trace.dropped)} module(s) {trace.dropped[:5]} sit inside a nested computation "
                           "(nn.scan, nn.remat, a jit inside the model) and are not read", stacklevel=4)
         for r in trace.reads:
-            self.layer_index.setdefault(r.name, len(self.layer_index))
+            self.order(r.name)
         return trace
 
     def gradient_reading(self, step: int, grads) -> int:
@@ -144,43 +137,17 @@ class Monitor:
         jobs = []
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
             layer, param = leaf_names(path)
-            if jax.numpy.issubdtype(g.dtype, jax.numpy.floating) and self._wanted(layer):
+            if jax.numpy.issubdtype(g.dtype, jax.numpy.floating) and self.wanted(layer):
                 jobs.append(param_grad_job(g, layer, param, kinds.get(layer, "other")))
-        return self._write(step, reduce_arrays(jobs), mode="train")
-
-    def _write(self, step: int, readings, **kw) -> int:
-        indexes = [self.layer_index.setdefault(r.layer, len(self.layer_index)) for r in readings]
-        self.writer.record_many(step, readings, layer_indexes=indexes, **kw)
-        return len(readings)
+        return self.write(step, reduce_arrays(jobs), mode="train")
 
     def step(self, step: int, *, params=None, grads=None) -> None:
         """Call once per training step: a gradient reading of `grads` and a probe reading with
         `params` (a linen model's params or variables; an nnx model reads its own state) when due."""
         if params is not None:
             self.params = params
-        if step % self.probe_every == 0 or self._last_probe is None:  # the first step too: where trends start
+        if self.probe_due(step):
             self.probe_reading(step)
-        if grads is not None and step % self.grad_every == 0:
+        if grads is not None and self.grads_due(step):
             self.gradient_reading(step, grads)
-        self._last_step = step
-
-    def log(self, step: int, loss=None, lr=None, **scalars) -> None:
-        """Record the training loop's values at `step` (`loss`, `lr`, any other name; JAX arrays as
-        their value), so findings are read against the loss (spec §Streams, `scalar`)."""
-        self.writer.log(step, loss=loss, lr=lr, **scalars)
-
-    def close(self, failed: BaseException | None = None):
-        """A last probe reading at the last step if `probe_every` skipped it (trend rules need the end
-        of a run), then write the trace; `failed`: the exception the run ended with."""
-        if self.closed:
-            return None
-        if failed is None and self._last_step is not None and self._last_probe != self._last_step:
-            self.probe_reading(self._last_step)
-        self.closed = True
-        return self.writer.close(failed)
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(exc)
+        self.last_step = step

@@ -23,11 +23,11 @@ from torch import overrides
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
-from ._torch_axes import LOST, Axes, op_name
-from ._torch_kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind
-from ._torch_recurrent import RECURRENT
-from ._torch_recurrent import parts as recurrent_parts
-from ._torch_recurrent import readings as recurrent_readings
+from .axes import LOST, Axes, op_name
+from .kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind
+from .recurrent import RECURRENT
+from .recurrent import parts as recurrent_parts
+from .recurrent import readings as recurrent_readings
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 

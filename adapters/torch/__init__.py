@@ -20,14 +20,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-import actrace
-from actrace.files.writer import script_options
+from actrace.record import Recorder, patterns
+from actrace.reduce.torch import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, settle, to_readings
 
-from ._torch_kinds import module_kind
-from ._torch_probe import Probe
-from ._torch_reduce import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, settle, to_readings
-from ._torch_recurrent import param as recurrent_param
-from ._torch_trace import ForwardTrace, Output, output_tensors, root_name, unwrap
+from .kinds import module_kind
+from .probe import Probe
+from .recurrent import param as recurrent_param
+from .trace import ForwardTrace, Output, output_tensors, root_name, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -43,7 +42,7 @@ def _device(model: nn.Module) -> torch.device | None:
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
-class Monitor:
+class Monitor(Recorder):
     """Watch a model: probe readings every `probe_every` steps, gradient readings every `grad_every`,
     parameter readings (norm, update ratio) every `param_every` (default: with the probe).
 
@@ -58,18 +57,18 @@ class Monitor:
     so, and its trace's status is `incomplete`.
     """
 
+    no_gradient_hint = "step() found no gradient: call it after loss.backward() and before optimizer.zero_grad()"
+
     def __init__(self, model: nn.Module, probe, out=None, *, probe_every: int = 200, grad_every: int = 1,
                  param_every: int | None = None,
                  run: str | None = None, config: dict | None = None, include=None, exclude=None,
                  types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
                  overwrite: bool | None = None, flush_every: int = 4096, scaler=None):
-        options = script_options(out, run, config, overwrite)
         self.model, self.inner = model, unwrap(model)
-        self.probe_every, self.grad_every = probe_every, grad_every
         self.param_every = param_every or probe_every
         self.probe_chunk, self.histogram, self.scaler = probe_chunk, histogram, scaler
-        self.include, self.exclude, self.types = _patterns(include), _patterns(exclude), types
+        self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.unit_axes = unit_axes or {}
         self.rank, self.world = _dist()
         self._probe = Probe(probe, _device(self.inner))
@@ -81,20 +80,20 @@ class Monitor:
                        and any(True for _ in m.parameters(recurse=False)) and self._wanted(name, m)}
         self.layer_index: dict[str, int] = {}
         self._params = None
-        self.mode = self._trial()
-        for name in self.layers:
-            self.layer_index.setdefault(name, len(self.layer_index))
-        self.writer = None
-        if self.rank == 0:
-            trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
-            self.writer = actrace.Writer(
-                **options, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
-                probe_fingerprint=self._probe.fingerprint, probe_size=self._probe.size, mode=self.mode,
-                flush_every=flush_every, expect=("param_grad",) if trainable else ())
+        mode = self._trial()
+        order = list(self.layer_index) + list(self.layers)
+        trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
+        super().__init__(out, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
+                         probe_fingerprint=self._probe.fingerprint, probe_size=self._probe.size, mode=mode,
+                         probe_every=probe_every, grad_every=grad_every, run=run, config=config, include=include,
+                         exclude=exclude, overwrite=overwrite, flush_every=flush_every,
+                         expect=("param_grad",) if trainable else (), writes=self.rank == 0)
+        self.mode = mode
+        for name in order:
+            self.order(name)
         self._previous: dict[tuple[str, str], torch.Tensor] = {}
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
-        self._last_step = self._last_probe = None
         self._fresh_grads, self._warned_stale, self._alarmed = False, False, False
         self._handles, self._grad_tracing = [], False
         if activation_grads:
@@ -103,7 +102,6 @@ class Monitor:
                              self.inner.register_forward_hook(self._stop_grad_trace, always_call=True)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_arrived)
                           for *_, p in self._parameters() if p.requires_grad]
-        self.closed = False
 
     @property
     def probe(self):
@@ -115,11 +113,7 @@ class Monitor:
 
     # -- selection and the traced forward --------------------------------------------------
     def _wanted(self, name: str, module: nn.Module | None) -> bool:
-        if self.types and not isinstance(module, self.types):
-            return False
-        if self.include and not any(fnmatch.fnmatch(name, p) for p in self.include):
-            return False
-        return not any(fnmatch.fnmatch(name, p) for p in self.exclude)
+        return not (self.types and not isinstance(module, self.types)) and self.wanted(name)
 
     def _axis(self, out: Output) -> int | None:
         if out.kind == "softmax" and out.axis is not None:
@@ -237,7 +231,7 @@ class Monitor:
     # -- readings --------------------------------------------------------------------------
     def probe_reading(self, step: int) -> int:
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
-        self._last_probe = step
+        self.last_probe = step
         fingerprint = self._probe.check()
         merged: dict[str, Pending] = {}
         with self._evaluation():
@@ -258,7 +252,7 @@ class Monitor:
         pending = list(merged.values())
         if self.world > 1:
             all_reduce(pending)
-        return self._write(step, to_readings(pending), mode=self.mode, probe_fingerprint=fingerprint)
+        return self.write(step, to_readings(pending), mode=self.mode, probe_fingerprint=fingerprint)
 
     def _parameters(self) -> list[tuple[str, str, str, nn.Parameter]]:
         """(layer, kind, parameter name, parameter) of every selected layer's own parameters."""
@@ -303,8 +297,8 @@ class Monitor:
         self._grad_outputs = []
         scaled = self.scaler is not None and self.scaler.is_enabled()
         broken = any(r.nan_count or r.inf_count for r in readings)
-        written = self._write(step, readings, mode="skipped" if scaled and broken else "train")
-        if broken and not scaled and not self._alarmed and self._last_probe != step:
+        written = self.write(step, readings, mode="skipped" if scaled and broken else "train")
+        if broken and not scaled and not self._alarmed and self.last_probe != step:
             # the first non-finite gradient: read the probe now, with the weights that made it, so the
             # forward layer where the NaN or Inf starts is seen, not only the backward's spread
             self._alarmed = True
@@ -324,60 +318,30 @@ class Monitor:
                 value.stats["update_norm"] = torch.linalg.vector_norm(p.detach() - prev, dtype=torch.float64)
                 prev.copy_(p.detach())
             pending.append(value)
-        return self._write(step, to_readings(pending), mode="train")
-
-    def _write(self, step: int, readings, **kw) -> int:
-        if self.writer is None:
-            return 0
-        indexes = [self.layer_index.setdefault(r.layer, len(self.layer_index)) for r in readings]
-        self.writer.record_many(step, readings, layer_indexes=indexes, **kw)
-        return len(readings)
+        return self.write(step, to_readings(pending), mode="train")
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before
         `scaler.update()` under a loss scaler): gradient, parameter and probe readings when due (a
         probe reading at the first step whatever `probe_every` says, and at the last on close)."""
-        if step % self.probe_every == 0 or self._last_probe is None:  # the first step too: where trends start
+        if self.probe_due(step):
             self.probe_reading(step)
-        if self.grad_every and step % self.grad_every == 0:
+        if self.grads_due(step):
             self.gradient_reading(step)
         if step % self.param_every == 0:
             self.parameter_reading(step)
         self._steps_seen += 1
-        self._last_step = step
+        self.last_step = step
 
     def log(self, step: int, loss=None, lr=None, **scalars) -> None:
         """Record the training loop's values at `step` (`loss`, `lr`, any other name; tensors are
         read with `.item()`), so findings are read against the loss (spec §Streams, `scalar`)."""
-        if self.writer is not None:
-            values = dict(scalars, loss=loss, lr=lr)
-            self.writer.log(step, **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        values = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in dict(scalars, loss=loss, lr=lr).items()}
+        super().log(step, **values)
 
-    def close(self, failed: BaseException | None = None):
-        """A last probe reading at the last step if `probe_every` skipped it (trend rules need the
-        end of a run), then remove the hooks and write the trace (compacting its part files);
-        `failed`: the exception the run ended with, recorded in the trace's status."""
-        if self.closed:
-            return None
-        if failed is None and self._last_step is not None and (self._last_probe is None or
-                                                               self._last_probe < self._last_step):
-            self.probe_reading(self._last_step)
-        self.closed = True
+    def release(self) -> None:
         for h in self._handles:
             h.remove()
-        if failed is None and self.writer is not None and self.writer.expect and \
-                "param_grad" not in self.writer.streams:
-            why = ("step() was never called" if self._last_step is None else
-                   "step() found no gradient: call it after loss.backward() and before optimizer.zero_grad()")
-            warnings.warn(f"actrace: {self.writer.path}: no gradient was read ({why}); the trace's status says "
-                          "incomplete (grad_every=None records probe readings only)", stacklevel=3)
-        return self.writer.close(failed) if self.writer is not None else None
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(exc)
 
 
 class TrainerCallbackBase:
@@ -400,7 +364,3 @@ def _signature(t: torch.Tensor) -> float:
 
 def _same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
-
-
-def _patterns(p) -> list[str]:
-    return [] if p is None else [p] if isinstance(p, str) else list(p)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from actrace.format.schema import clamp_kind
 
-from ._onnx_recurrent import OPS as RECURRENT_OPS
-from ._onnx_recurrent import Op
+from .recurrent import OPS as RECURRENT_OPS
+from .recurrent import Op
 
 ACTIVATION_OPS = {
     "Relu": "relu", "LeakyRelu": "leaky_relu", "PRelu": "prelu", "Elu": "elu", "Celu": "elu", "Selu": "selu",

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from actrace.format import bins
-from actrace.reduce import kernel
-from actrace.reduce import (Reading, ReductionError, centre, check_reducible, combine, reference, relu_stats,
-                            sat_counts)
 from actrace.format.schema import MERGE, bounds_for
+
+from . import kernel
+from .dispatch import relu_stats
+from .reading import Reading, ReductionError, combine
+from .reference import centre, check_reducible, reference, sat_counts
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
           torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}

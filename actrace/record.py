@@ -1,0 +1,104 @@
+"""Recording: what every framework's monitor shares, so that each adapter only says how its
+framework's tensors are read. A `Recorder` owns the writer, the schedule (a probe reading at the
+first step and every `probe_every`, gradient readings every `grad_every`, a last probe reading at
+close), the layers' forward order, the include/exclude patterns and the run's status at close.
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+
+from actrace.files.writer import Writer, script_options
+
+
+def patterns(p) -> list[str]:
+    """Glob patterns as given: one string, a sequence of them, or None."""
+    return [] if p is None else [p] if isinstance(p, str) else list(p)
+
+
+class Recorder:
+    """The base of every adapter's monitor (`adapters/torch`, `flax`, `keras`): subclasses read
+    their framework's tensors in `probe_reading(step)` and hand the readings to `write`.
+
+    `out`, `run`, `config`, `overwrite` say where and as what the trace is written (`actrace
+    record` may set them from outside the script); `include`/`exclude` are glob patterns on
+    reading names; `writes=False` records nothing (a data-parallel rank other than 0).
+    """
+
+    no_gradient_hint = "step() found no gradient"  # why a run that expected gradients has none
+
+    def __init__(self, out=None, *, framework: str, framework_version: str, adapter: str,
+                 probe_fingerprint: str | None, probe_size: int | None, mode: str, probe_every: int = 200,
+                 grad_every: int | None = 1, run: str | None = None, config: dict | None = None, include=None,
+                 exclude=None, overwrite: bool | None = None, flush_every: int = 4096, expect: tuple = (),
+                 writes: bool = True):
+        options = script_options(out, run, config, overwrite)
+        self.probe_every, self.grad_every = probe_every, grad_every
+        self.include, self.exclude = patterns(include), patterns(exclude)
+        self.layer_index: dict[str, int] = {}
+        self.last_step = self.last_probe = None
+        self.closed = False
+        self.writer = Writer(**options, framework=framework, framework_version=framework_version, adapter=adapter,
+                             probe_fingerprint=probe_fingerprint, probe_size=probe_size, mode=mode,
+                             flush_every=flush_every, expect=expect) if writes else None
+
+    def wanted(self, name: str) -> bool:
+        """Whether a reading of this name is recorded (`include`, then `exclude`)."""
+        if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+    def order(self, name: str) -> int:
+        """The layer's `layer_index`: the order layers were first met in, the forward's when the
+        adapter names them as it runs the probe first."""
+        return self.layer_index.setdefault(name, len(self.layer_index))
+
+    def probe_due(self, step: int) -> bool:
+        return step % self.probe_every == 0 or self.last_probe is None  # the first step too: where trends start
+
+    def grads_due(self, step: int) -> bool:
+        return bool(self.grad_every) and step % self.grad_every == 0
+
+    def probe_reading(self, step: int) -> int:
+        raise NotImplementedError
+
+    def write(self, step: int, readings, **kw) -> int:
+        """Record readings taken at `step` (`mode`, `probe_fingerprint` as the writer takes them)."""
+        if self.writer is None:
+            return 0
+        self.writer.record_many(step, readings, layer_indexes=[self.order(r.layer) for r in readings], **kw)
+        return len(readings)
+
+    def log(self, step: int, loss=None, lr=None, **scalars) -> None:
+        """Record the training loop's values at `step` (`loss`, `lr`, any other name), so findings are
+        read against the loss (spec §Streams, `scalar`)."""
+        if self.writer is not None:
+            self.writer.log(step, **dict(scalars, loss=loss, lr=lr))
+
+    def close(self, failed: BaseException | None = None):
+        """A last probe reading at the last step if `probe_every` skipped it (trend rules need the end
+        of a run), then write the trace (compacting its part files); `failed`: the exception the run
+        ended with, recorded in the trace's status."""
+        if self.closed:
+            return None
+        if failed is None and self.last_step is not None and (self.last_probe is None or
+                                                              self.last_probe < self.last_step):
+            self.probe_reading(self.last_step)
+        self.closed = True
+        self.release()
+        if self.writer is None:
+            return None
+        if failed is None and self.writer.expect and "param_grad" not in self.writer.streams:
+            why = "step() was never called" if self.last_step is None else self.no_gradient_hint
+            warnings.warn(f"actrace: {self.writer.path}: no gradient was read ({why}); the trace's status says "
+                          "incomplete (grad_every=None records probe readings only)", stacklevel=3)
+        return self.writer.close(failed)
+
+    def release(self) -> None:
+        """What an adapter lets go of at close (hooks), before the trace is written."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)
