@@ -31,7 +31,7 @@ class Recorder:
                  probe_fingerprint: str | None, probe_size: int | None, mode: str, probe_every: int = 200,
                  grad_every: int | None = 1, run: str | None = None, config: dict | None = None, include=None,
                  exclude=None, overwrite: bool | None = None, flush_every: int = 4096, expect: tuple = (),
-                 writes: bool = True):
+                 aliases: dict[str, str] | None = None, writes: bool = True):
         options = script_options(out, run, config, overwrite)
         self.probe_every, self.grad_every = probe_every, grad_every
         self.include, self.exclude = patterns(include), patterns(exclude)
@@ -40,7 +40,7 @@ class Recorder:
         self.closed = False
         self.writer = Writer(**options, framework=framework, framework_version=framework_version, adapter=adapter,
                              probe_fingerprint=probe_fingerprint, probe_size=probe_size, mode=mode,
-                             flush_every=flush_every, expect=expect) if writes else None
+                             flush_every=flush_every, expect=expect, aliases=aliases) if writes else None
 
     def wanted(self, name: str) -> bool:
         """Whether a reading of this name is recorded (`include`, then `exclude`)."""

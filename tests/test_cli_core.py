@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from actrace import SPEC_VERSION
+
 from conftest import EXAMPLES
 
 
@@ -32,7 +34,7 @@ def test_inspect_shows_layers_steps_streams_and_size(cli):
     res = cli("inspect", EXAMPLES / "valid-mlp.parquet")
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    for text in ("spec 1.1", "run        valid-mlp", "steps      2 (from 0 to 100)",
+    for text in (f"spec {SPEC_VERSION}", "run        valid-mlp", "steps      2 (from 0 to 100)",
                  "fc2.tanh", "tanh", "8 units", "KiB", "activation 14", "0123456789abcdef"):
         assert text in out, text
 

@@ -86,41 +86,34 @@ def c_kernel(x, axis, kind, halves):
     return reduce_array(x, axis, kind, layer="x")
 
 
-def _torch_reading(x, axis, kind, halves, device, relu_too=False):
+def _torch_reading(x, axis, kind, halves, device, change=None):
+    """The torch backend's reading of `x` (its halves merged by the core's `merge`); `change` is
+    done to the tensors in place after they were reduced and before the reading reaches the host."""
     import torch
 
     from actrace.reduce import torch as tr
 
     t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16 \
         else torch.from_numpy(x)
-    parts = [t[:3], t[3:]] if halves else [t]
-    pending = [tr.reduce_tensor(p.to(device), axis, kind, layer="x", relu_too=relu_too) for p in parts]
-    tr.settle(pending)
-    for p in pending[1:]:
-        pending[0].merge(p)
-    return pending[0]
+    parts = [p.to(device) for p in ([t[:3], t[3:]] if halves else [t])]
+    pending = [tr.reduce_tensor(p, axis, kind, layer="x") for p in parts]
+    for p in parts if change else ():
+        change(p)
+    readings = tr.to_readings(pending)
+    return readings[0] if len(readings) == 1 else merge(*readings)
 
 
-def torch_ops(x, axis, kind, halves, monkeypatch):
-    from actrace.reduce import torch as tr
-
+def torch_ops(x, axis, kind, halves, monkeypatch, change=None):
     monkeypatch.setattr(kernel, "available", False)  # the path any tensor takes where the kernel is not
-    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
-    return r
+    return _torch_reading(x, axis, kind, halves, "cpu", change)
 
 
-def torch_fused(x, axis, kind, halves):
-    from actrace.reduce import torch as tr
-
-    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cpu")])
-    return r
+def torch_fused(x, axis, kind, halves, change=None):
+    return _torch_reading(x, axis, kind, halves, "cpu", change)
 
 
-def torch_cuda(x, axis, kind, halves):
-    from actrace.reduce import torch as tr
-
-    (r,) = tr.to_readings([_torch_reading(x, axis, kind, halves, "cuda")])
-    return r
+def torch_cuda(x, axis, kind, halves, change=None):
+    return _torch_reading(x, axis, kind, halves, "cuda", change)
 
 
 def onnx_runtime(x, axis, kind, halves, tmp_path):
@@ -203,6 +196,40 @@ def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, ca
     if backend == "onnxruntime":
         got, x, axis = got
     assert_same(got, from_reference(x, axis, kind), x, axis)
+
+
+def mutated():
+    """(backend, dtype) of every backend that takes a tensor of that dtype in (ONNX Runtime makes its
+    own); one skip for a backend absent here."""
+    for backend, (_, reads, absent) in BACKENDS.items():
+        if backend == "onnxruntime":
+            continue
+        if absent:
+            yield pytest.param(backend, None, id=f"{backend}-absent", marks=pytest.mark.skip(reason=f"{backend}: {absent}"))
+            continue
+        for dtype in ("float32", "float64", "bfloat16"):
+            if reads(dtype, "dense", "linear"):
+                yield pytest.param(backend, dtype, id=f"{backend}-{dtype}")
+
+
+@pytest.mark.parametrize("backend,dtype", list(mutated()))
+def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, monkeypatch):
+    """Read the moment it is made: a NaN and an Inf the model then cleans in place
+    (`nan_to_num_()`) are in the reading, on every backend and device."""
+    fn = BACKENDS[backend][0]
+    shape, axis = LAYOUTS["dense"]
+    x = values("hard", shape, DTYPES[dtype])
+    original = x.copy()
+    want = from_reference(original, axis, "linear")
+    assert want.nan_count and want.inf_count
+    extra = {"monkeypatch": monkeypatch} if backend == "torch-ops" else {}
+    if backend.startswith("torch"):
+        got = fn(x, axis, "linear", True, change=lambda t: t.nan_to_num_(0.0).mul_(3.0), **extra)
+    else:
+        got = fn(x, axis, "linear", True)
+        np.copyto(x, np.nan_to_num(x.astype(np.float64), nan=0.0).astype(x.dtype) * 3)
+    assert not np.isnan(x.astype(np.float64)).any()  # the tensor read was cleaned afterwards
+    assert_same(got, want, original, axis)
 
 
 @pytest.mark.parametrize("layout", [k for k in LAYOUTS if k.startswith("large")])

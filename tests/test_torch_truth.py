@@ -472,3 +472,31 @@ def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pat
     assert g[(2, "0", "weight")]["mode"] == "skipped"
     rules = {f.rule for f in findings(metrics(tmp_path / "a.parquet"))}
     assert "scaler_skipped" in rules and "nan_inf" not in rules and "exploding_gradients" not in rules
+
+
+class Cleaned(nn.Module):
+    """A layer whose output the model then cleans in place (`nan_to_num_`) before a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.nan_to_num_(0.0)
+        return torch.relu(h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_layer_output_cleaned_in_place_afterwards_is_read_as_it_was_made(tmp_path, dtype, device):
+    """Read the moment it is made: unit 2's NaN (a NaN bias) is in the linear's reading although
+    the model zeroes it in place right after; the ReLU then reads unit 2 as the zeros it got."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Cleaned()).to(device, dtype)
+    with torch.no_grad():
+        model[0].fc.bias[2] = float("nan")
+    got = rows(record(model, torch.randn(8, 4, device=device, dtype=dtype), tmp_path / "c.parquet"))
+    assert (got["0.fc"]["nan_count"], got["0.fc"]["unit_count"]) == (8, [8, 8, 0, 8, 8, 8])
+    assert got["0.fc"]["dtype"] == str(dtype).removeprefix("torch.")
+    assert got["0.relu"]["nan_count"] == 0 and got["0.relu"]["unit_zero"][2] == 8

@@ -210,8 +210,8 @@ def _depth(text: str) -> int:
 
 
 def metadata_problems(meta: dict[str, str], path) -> list[Problem]:
-    """spec §File metadata: the REQUIRED keys, a known status, a config that is a JSON object, names
-    within the rule for names."""
+    """spec §File metadata: the REQUIRED keys, a known status, a config that is a JSON object, aliases
+    that are one of names, names within the rule for names."""
     out = [Problem(str(path), f"REQUIRED metadata key 'actrace:{key}' is missing or empty")
            for key in ("run_name", "run_id") if not meta.get(key)]
     for key in ("run_name", "run_id"):
@@ -230,6 +230,13 @@ def metadata_problems(meta: dict[str, str], path) -> list[Problem]:
                 out.append(Problem(str(path), "metadata 'actrace:config' is JSON but not an object"))
         except ValueError as exc:
             out.append(Problem(str(path), f"metadata 'actrace:config' is not JSON ({exc})"))
+    if meta.get("aliases"):
+        try:
+            aliases = json.loads(meta["aliases"]) if _depth(meta["aliases"]) <= 1 else None
+        except ValueError:
+            aliases = None
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+            out.append(Problem(str(path), "metadata 'actrace:aliases' is not a JSON object of names"))
     return out
 
 

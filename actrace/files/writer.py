@@ -168,7 +168,9 @@ class Writer:
     >>> with Writer("runs/a.parquet", run="a", framework="jax") as w:   # doctest: +SKIP
     ...     w.record_activation(step=0, layer="mlp.0", x=h, unit_axis=-1, kind="relu")
 
-    Buffered readings become a durable part file every `flush_every` readings or `flush_seconds`,
+    `aliases` maps each other name of a parameter read under one name (a tied one) to that name
+    (`lm_head/weight` → `wte/weight`; spec §File metadata). Buffered readings become a durable
+    part file every `flush_every` readings or `flush_seconds`,
     whichever comes first: a killed run loses at most its last seconds, and a part file (two
     fsyncs) is written rarely enough not to slow a training step.
     """
@@ -177,7 +179,7 @@ class Writer:
                  framework_version: str | None = None, adapter: str = "actrace.numpy",
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
-                 flush_seconds: float = 10.0, overwrite: bool = False, expect=()):
+                 flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None):
         self.path = Path(path)
         self.parts = parts_dir(self.path)
         for p in (self.path, self.parts):
@@ -208,7 +210,7 @@ class Writer:
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
         self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
                                   adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
-                                  probe_size=probe_size, mode=mode)
+                                  probe_size=probe_size, mode=mode, aliases=aliases)
         self._rows: list[tuple[Reading, dict]] = []
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}

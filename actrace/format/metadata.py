@@ -17,7 +17,7 @@ from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION
 
 PREFIX = "actrace:"
 KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
-        "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode", "status")
+        "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode", "status", "aliases")
 
 
 __version__ = "0.1.0"  # this package's, written as `adapter_version` (pyproject reads it here)
@@ -28,7 +28,8 @@ class TraceError(Exception):
 
 
 def make(*, run: str, framework: str, framework_version: str | None, adapter: str, config: dict | None,
-         probe_fingerprint: str | None, probe_size: int | None, mode: str | None) -> dict[str, str]:
+         probe_fingerprint: str | None, probe_size: int | None, mode: str | None,
+         aliases: dict[str, str] | None = None) -> dict[str, str]:
     """A new trace's metadata (unprefixed keys, string values; empty where unknown)."""
     return {
         "spec_version": SPEC_VERSION, "run_name": run, "run_id": uuid.uuid4().hex,
@@ -39,6 +40,7 @@ def make(*, run: str, framework: str, framework_version: str | None, adapter: st
         "config": json.dumps(config or {}, sort_keys=True, default=str),
         "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""), "mode": mode or "",
         "status": "running",  # until the writer closes: `complete`, or `failed: TYPE`
+        **({"aliases": json.dumps(aliases, sort_keys=True)} if aliases else {}),
     }
 
 

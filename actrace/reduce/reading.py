@@ -133,6 +133,9 @@ def combine(rule: str, a, b, lib=np):
 def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
     """Combine the readings of two chunks of one tensor split along `batch_axis`, column by column
     by the schema's merge rules (`bounds` stands for `bound_lo`/`bound_hi`)."""
+    if len(a.shape) != len(b.shape) or any(n != m for i, (n, m) in enumerate(zip(a.shape, b.shape)) if i != batch_axis):
+        raise ReductionError(f"layer {a.layer!r}: cannot merge chunks of shapes {a.shape} and {b.shape}: they differ "
+                             f"on an axis other than the batch axis {batch_axis}")
     out = {}
     for f in fields(Reading):
         name, va, vb = f.name, getattr(a, f.name), getattr(b, f.name)
@@ -149,3 +152,12 @@ def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
         else:
             out[name] = combine(rule, va, vb)
     return Reading(**out)
+
+
+def fold(merged: dict, readings) -> dict:
+    """Fold readings into `merged` (keyed by layer, stream and param, in the order first met): a
+    chunk of the probe, or a micro-batch's, of a tensor already there merges into it (`merge`)."""
+    for r in readings:
+        key = (r.layer, r.stream, r.param)
+        merged[key] = merge(merged[key], r) if key in merged else r
+    return merged

@@ -2,15 +2,16 @@
 
 `reduce_tensor` reads a CPU float32 tensor with the core's fused C kernel (all threads, on
 PyTorch's own OpenMP team) and any other tensor with torch kernels on its device, without a host
-sync. `settle` finishes a batch of torch-path readings with one sync, re-counting the rare one
-with a NaN or Inf exactly; `to_readings` moves the numbers to the host in one transfer, and
-`all_reduce` merges data-parallel ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
+sync; either way every statistic is taken before the call returns, so a later in-place change of
+the tensor changes nothing. `to_readings` moves a batch of them to the host in one transfer as
+core `Reading`s (merged across chunks by the core's `merge`), and `all_reduce` merges
+data-parallel ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
 """
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ from actrace.format.schema import MERGE, bounds_for
 
 from . import kernel
 from .dispatch import relu_stats
-from .reading import Reading, ReductionError, combine
-from .reference import centre, check_reducible, reference, sat_counts
+from .reading import Reading
+from .reference import centre, check_reducible, sat_counts
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
           torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}
@@ -30,10 +31,9 @@ _F64 = torch.float64
 
 @dataclass
 class Pending:
-    """A reading whose statistics may still be on the device (mergeable across chunks): numpy
-    arrays from the fused kernel, tensors from the torch path, named as the spec's columns (as
-    `actrace.reduce.reference` names them); `shape` holds the batch extent, and parameter
-    readings may hold `update_norm`, a 0-d tensor."""
+    """A reading on its way to the host: its statistics, named as the spec's columns (as
+    `actrace.reduce.reference` names them), numpy arrays from the fused kernel or tensors on the device
+    from the torch path, all taken already; a parameter reading may hold `update_norm`, a 0-d tensor."""
 
     layer: str
     kind: str
@@ -45,16 +45,7 @@ class Pending:
     param: str | None = None
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
-    source: torch.Tensor | None = None  # torch path, until `settle`: for the rare exact non-finite re-count
-    relu: dict | None = None            # the statistics of relu(x), when the pass was asked for them
-
-    def merge(self, other: "Pending") -> None:
-        """Fold the statistics of another (settled) chunk of the same tensor into this one."""
-        if (other.unit_axis, _units(other)) != (self.unit_axis, _units(self)):
-            raise ReductionError(f"layer {self.layer!r}: probe chunks disagree on the units "
-                                 f"({_units(self)} on axis {self.unit_axis} vs {_units(other)} on axis {other.unit_axis})")
-        for k, v in other.stats.items():
-            self.stats[k] = combine(MERGE[k], self.stats[k], v, torch if isinstance(v, torch.Tensor) else np)
+    relu: dict | None = None  # the statistics of relu(x), when the pass was asked for them
 
 
 _local = threading.local()
@@ -116,7 +107,6 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         axis = unit_axis % x.ndim
     pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit)
     c = centre(bounds)
-    shape0 = shape[0] if shape else 1
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
         if per_unit and unit_axis is not None:
             view = x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1)
@@ -125,49 +115,52 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit, relu_too)
         relu = st.pop("relu")
         pending.stats = {k: v for k, v in st.items() if v is not None}
-        pending.stats["shape"] = np.array([shape0])
         if bounds is not None and per_unit:
             pending.stats["sat_counts"] = sat_counts(view.numpy(), bounds)
         if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
             pending.relu = relu_stats(pending.stats, relu)
         return pending
-    pending.source = x
+    if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
+        x, axis = x.reshape(-1, 1), 1
+    pending.stats = _masked(x, axis, c, kind == "relu", histogram and per_unit)
+    if bounds is not None and per_unit:
+        pending.stats["sat_counts"] = sat_counts(x, bounds, torch)
+    return pending
+
+
+def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool) -> dict:
+    """The reference's statistics (`reference._stats`) by torch kernels on the tensor's device, over
+    its finite values whatever it holds (no host sync to ask whether it holds a NaN): sums in
+    float64 (spec §Numerics), extremes and min |h - c| NaN for a unit with no finite value."""
     dims = [d for d in range(x.ndim) if d != axis]
-    zero = torch.zeros((), dtype=torch.int64, device=x.device)
-    common = {"shape": torch.tensor(shape0, device=x.device), "nan_count": zero, "inf_count": zero}
-    if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels, one pass each
-        flat = x.reshape(-1)
-        lo, hi = torch.aminmax(flat)
-        pending.stats = {"unit_sum": flat.sum(dtype=_F64),
-                         "unit_sumsq": torch.square(flat, out=scratch_like(flat, flat.dtype)).sum(dtype=_F64),
-                         "unit_min": lo,
-                         "unit_max": hi, "unit_zero": flat.numel() - torch.count_nonzero(flat),
-                         "unit_count": torch.tensor(flat.numel(), device=x.device), **common}
-        return pending
-    # sums accumulate in float64 (spec §Numerics): a backend's float32 reduction order is its own
+    finite = torch.isfinite(x)
     work = scratch_like(x, x.dtype)
-    s = {
-        "unit_sum": x.sum(dims, dtype=_F64),
-        "unit_sumsq": torch.square(x, out=work).sum(dims, dtype=_F64),
-        "unit_min": x.amin(dims),
-        "unit_max": x.amax(dims),
-        "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims),
-        **common,
-    }
-    s["unit_count"] = torch.full_like(s["unit_zero"], x.numel() // s["unit_sum"].numel())
-    if kind == "relu" and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
-        s["unit_min_dev"] = s["unit_min"]
+    zero, inf = x.new_zeros(()), x.new_full((), torch.inf)
+    clean = torch.where(finite, x, zero, out=work)
+    unit_count = finite.sum(dims)
+    total = clean.sum(dims, dtype=_F64)
+    # float32 squares overflow above 1.8e19: narrower values are squared in float64 (by the norm)
+    squares = torch.square(clean, out=work).sum(dims, dtype=_F64) if x.dtype == _F64 else \
+        torch.linalg.vector_norm(clean, 2, dims, dtype=_F64).square()
+    s = {"unit_sum": total, "unit_sumsq": squares,
+         "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims), "unit_count": unit_count,
+         "unit_min": torch.where(finite, x, inf, out=work).amin(dims),
+         "unit_max": torch.where(finite, x, -inf, out=work).amax(dims)}
+    if relu and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
+        s["unit_min_dev"] = s["unit_min"].clone()
     else:
-        dev = torch.sub(x, c, out=work) if c else x
-        s["unit_min_dev"] = torch.abs(dev, out=work).amin(dims)
+        dev = torch.abs(torch.sub(x, c, out=work) if c else x, out=work)
+        s["unit_min_dev"] = torch.where(finite, dev, inf, out=work).amin(dims)
+    none = unit_count == 0
+    for k in ("unit_min", "unit_max", "unit_min_dev"):
+        s[k] = s[k].masked_fill(none, torch.nan)
+    s["nan_count"] = torch.isnan(x).sum()
+    s["inf_count"] = x.numel() - unit_count.sum() - s["nan_count"]
     if histogram and x.device.type == "cpu":  # the core's numpy histogram
         s["hist"] = torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(s["unit_zero"].sum())))
     elif histogram:
         s["hist"] = bucketize_histogram(x)
-    if bounds is not None:
-        s["sat_counts"] = sat_counts(x, bounds, torch)
-    pending.stats = s
-    return pending
+    return s
 
 
 def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float = 1.0) -> list[Reading]:
@@ -201,39 +194,10 @@ def relu_of(source: Pending, layer: str) -> Pending:
                    bounds_for("relu"), stats=dict(source.relu))
 
 
-def _units(p: Pending) -> int:
-    return 1 if p.unit_axis is None else p.shape[p.unit_axis % len(p.shape)]
-
-
-def _exact(p: Pending) -> dict:
-    """Statistics of a reading with NaN or Inf, from the numpy reference (which masks them), shaped
-    as the torch path's."""
-    x = p.source.cpu().numpy()  # float64 stays float64; narrower floats were widened to float32
-    st = reference(x, p.unit_axis if p.per_unit else None, bounds=p.bounds, histogram="hist" in p.stats)
-    dev = p.stats["unit_sum"].device
-    out = dict(p.stats)  # the batch extent and an update norm stay as they are
-    out.update({k: torch.as_tensor(np.asarray(v), device=dev).reshape(p.stats[k].shape)
-                for k, v in st.items() if k in p.stats})
-    return out
-
-
-def settle(pending: list[Pending]) -> None:
-    """Finish torch-path readings before their tensors are freed: one host sync for the whole batch
-    finds readings with a NaN or Inf (a non-finite sum of squares), which are re-counted exactly."""
-    live = [p for p in pending if p.source is not None]
-    if live:
-        finite = torch.stack([torch.isfinite(p.stats["unit_sumsq"]).all() for p in live]).cpu()
-        for p, ok in zip(live, finite.tolist()):
-            if not ok:
-                p.stats = _exact(p)
-            p.source = None
-
-
 def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
-    settle(pending)
     if not any(_on_device(v) for p in pending for v in p.stats.values()):  # on the host: nothing to batch,
         return [_finish(p, {k: np.asarray(v).reshape(-1) for k, v in p.stats.items()})  # nor to convert
                 for p in pending]
@@ -259,29 +223,40 @@ def _numel(v) -> int:
 
 
 def _finish(p: Pending, v: dict) -> Reading:
-    extent = int(v.pop("shape")[0])  # the batch extent, summed over merged chunks; a 0-d tensor has none
-    shape = (extent,) + tuple(p.shape[1:]) if p.shape else ()
     norm = v.pop("update_norm", None)
-    return Reading.from_stats(v, shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
+    return Reading.from_stats(v, shape=p.shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
                               kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,
                               update_norm=None if norm is None else float(norm[0]))
 
 
-def all_reduce(pending: list[Pending]) -> None:
-    """Merge every rank's readings of its probe shard: sums, minima and maxima across ranks."""
+def all_reduce(readings: list[Reading], device: torch.device | None = None) -> None:
+    """Merge every rank's readings of its probe shard in place, field by field by the schema's
+    merge rules (sums, minima, maxima; the batch extents add): one collective per rule, on
+    `device` (where the process group's backend wants its tensors)."""
     import torch.distributed as dist
 
-    ops = {"sum": dist.ReduceOp.SUM, "concat": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-           "max": dist.ReduceOp.MAX}
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     for rule, op in ops.items():
-        parts = [(p, k) for p in pending for k in p.stats if MERGE[k] == rule]
+        parts = [(r, name) for r in readings for name in _FIELDS if MERGE.get(name) == rule
+                 and getattr(r, name) is not None]
+        if rule == "sum":
+            parts += [(r, "shape") for r in readings if r.shape]  # `concat`: the batch extent adds
         if not parts:
             continue
-        flat = torch.cat([torch.as_tensor(p.stats[k]).reshape(-1).to(torch.float64) for p, k in parts])
+        values = [np.atleast_1d(np.asarray(getattr(r, n)[0] if n == "shape" else getattr(r, n), np.float64))
+                  for r, n in parts]
+        flat = torch.from_numpy(np.concatenate(values)).to(device or "cpu")
         dist.all_reduce(flat, op=op)
-        pos = 0
-        for p, k in parts:
-            n = _numel(p.stats[k])
-            old, new = p.stats[k], flat[pos: pos + n].reshape(p.stats[k].shape)
-            p.stats[k] = new.to(old.dtype) if isinstance(old, torch.Tensor) else new.numpy().astype(old.dtype)
-            pos += n
+        host, pos = flat.cpu().numpy(), 0
+        for (r, name), v in zip(parts, values):
+            new, pos = host[pos: pos + v.size], pos + v.size
+            old = getattr(r, name)
+            if name == "shape":
+                r.shape = (int(new[0]), *r.shape[1:])
+            elif isinstance(old, np.ndarray):
+                setattr(r, name, new.astype(old.dtype))
+            else:
+                setattr(r, name, type(old)(new[0]))
+
+
+_FIELDS = [f.name for f in fields(Reading)]

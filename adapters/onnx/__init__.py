@@ -19,7 +19,7 @@ from tqdm import tqdm
 import actrace
 from actrace.format.fingerprint import fingerprint
 from actrace.files.reader import expand
-from actrace.reduce import merge, reduce_arrays
+from actrace.reduce import fold, reduce_arrays
 
 from actrace.format.schema import KINDS, shown
 
@@ -184,8 +184,7 @@ class Checkpoint:
             readings = reduce_arrays([(v, _unit_axis(v, t), t.kind, dict(
                 layer=t.name, bounds=t.bounds, relu=self.relu_of[t.output].name if t.output in self.relu_of else None))
                 for t, v in jobs])  # one kernel batch on every thread
-            for r in readings:
-                merged[r.layer] = merge(merged[r.layer], r) if r.layer in merged else r
+            fold(merged, readings)
         order = {t.name: i for i, t in enumerate(self.tensors)}
         return sorted(merged.values(), key=lambda r: order[r.layer])
 

@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from actrace.record import Recorder, patterns
-from actrace.reduce.torch import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, settle, to_readings
+from actrace.reduce import fold
+from actrace.reduce.torch import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, to_readings
 
 from .kinds import module_kind
 from .probe import Probe
 from .recurrent import param as recurrent_param
-from .trace import ForwardTrace, Output, output_tensors, root_name, unwrap
+from .trace import ForwardTrace, Output, output_tensors, own_parameters, root_name, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -77,17 +78,18 @@ class Monitor(Recorder):
         self._warned: set[str] = set()
         self.layers = {name: (m, k) for m, path in self._trace.paths.items()  # parameterized modules
                        if (k := self._trace.kinds[m]) and (name := path or root_name(k))
-                       and any(True for _ in m.parameters(recurse=False)) and self._wanted(name, m)}
+                       and any(True for _ in own_parameters(m)) and self._wanted(name, m)}
         self.layer_index: dict[str, int] = {}
         self._params = None
         mode = self._trial()
         order = list(self.layer_index) + list(self.layers)
         trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
+        self._parameters()
         super().__init__(out, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
                          probe_fingerprint=self._probe.fingerprint, probe_size=self._probe.size, mode=mode,
                          probe_every=probe_every, grad_every=grad_every, run=run, config=config, include=include,
                          exclude=exclude, overwrite=overwrite, flush_every=flush_every,
-                         expect=("param_grad",) if trainable else (), writes=self.rank == 0)
+                         expect=("param_grad",) if trainable else (), aliases=self.aliases, writes=self.rank == 0)
         self.mode = mode
         for name in order:
             self.order(name)
@@ -95,7 +97,7 @@ class Monitor(Recorder):
         self._grad_outputs: list[Pending] = []
         self._steps_seen = 0
         self._fresh_grads, self._warned_stale, self._alarmed = False, False, False
-        self._handles, self._grad_tracing = [], False
+        self._handles, self._grad_tracing, self._no_grad_blocks = [], False, set()
         if activation_grads:
             self._grad_trace = ForwardTrace(self.inner, self._hook_grad, self._wanted)
             self._handles = [self.inner.register_forward_pre_hook(self._start_grad_trace),
@@ -214,17 +216,25 @@ class Monitor(Recorder):
         if self._grad_tracing:
             self._grad_tracing = False
             self._grad_trace.__exit__(None, None, None)
+            if self._no_grad_blocks and "no_grad" not in self._warned:
+                self._warned.add("no_grad")
+                blocks = sorted({name.rsplit(".", 1)[0] for name in self._no_grad_blocks})
+                warnings.warn(f"actrace: the activation gradients of {len(self._no_grad_blocks)} reading(s) in "
+                              f"{', '.join(blocks[:6])}{' ...' if len(blocks) > 6 else ''} cannot be read: the forward "
+                              "runs them without autograd (torch.utils.checkpoint with use_reentrant=True "
+                              "recomputes them inside the backward); use_reentrant=False reads them", stacklevel=2)
 
     def _hook_grad(self, out: Output) -> None:
-        if out.tensor.requires_grad and self._floating(out):
+        if not torch.is_grad_enabled() and out.name:  # a block run under no_grad inside a training forward
+            self._no_grad_blocks.add(out.name)
+        elif out.tensor.requires_grad and self._floating(out):
             axis = self._axis(out)
 
             def hook(grad):  # read at once: the backward may reuse the gradient's memory
                 if out.name:
-                    p = reduce_tensor(self._unscaled(grad), axis, out.kind, layer=out.name, stream="activation_grad",
-                                      bounds=out.bounds, histogram=self.histogram)
-                    settle([p])
-                    self._grad_outputs.append(p)
+                    self._grad_outputs.append(reduce_tensor(
+                        self._unscaled(grad), axis, out.kind, layer=out.name, stream="activation_grad",
+                        bounds=out.bounds, histogram=self.histogram))
             out.tensor.register_hook(hook)
         out.tensor = None
 
@@ -233,35 +243,35 @@ class Monitor(Recorder):
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
         self.last_probe = step
         fingerprint = self._probe.check()
-        merged: dict[str, Pending] = {}
+        merged: dict = {}
         with self._evaluation():
             for chunk in self._probe.chunks(self.rank, self.world, self.probe_chunk):
                 self._outputs = []
                 with self._trace:
                     Probe.call(self.inner, chunk)
-                settle([p for _, p in self._outputs])
+                named = [p for out, p in self._outputs if out.name is not None]
                 for out, p in self._outputs:
-                    if out.name is None:
-                        continue
-                    p.layer = out.name
-                    if out.name in merged:
-                        merged[out.name].merge(p)
-                    else:
-                        merged[out.name] = p
+                    p.layer = out.name  # the name the trace settled on, once the chunk ran
+                fold(merged, to_readings(named))  # one host transfer per chunk
                 self._outputs = []
-        pending = list(merged.values())
+        readings = list(merged.values())
         if self.world > 1:
-            all_reduce(pending)
-        return self.write(step, to_readings(pending), mode=self.mode, probe_fingerprint=fingerprint)
+            all_reduce(readings, _device(self.inner))
+        return self.write(step, readings, mode=self.mode, probe_fingerprint=fingerprint)
 
     def _parameters(self) -> list[tuple[str, str, str, nn.Parameter]]:
-        """(layer, kind, parameter name, parameter) of every selected layer's own parameters."""
+        """(layer, kind, parameter name, parameter) of every selected layer's own parameters, each
+        once: a tied one under its first name, its other names in `aliases`."""
         if self._params is None:  # a recurrent module's by layer and direction: `lstm.l1` `weight_ih`
-            self._params = []
+            self._params, self.aliases, first = [], {}, {}
             for name, (module, kind) in self.layers.items():
-                for pname, p in module.named_parameters(recurse=False):
+                for pname, p in own_parameters(module):
                     layer, own = recurrent_param(name, module, pname)
-                    self._params.append((layer, kind, own, p))
+                    if p in first:
+                        self.aliases[f"{layer}/{own}"] = first[p]
+                    else:
+                        first[p] = f"{layer}/{own}"
+                        self._params.append((layer, kind, own, p))
         return self._params
 
     def _scale(self) -> float:
@@ -292,8 +302,9 @@ class Monitor(Recorder):
         self._fresh_grads = False
         grads = [(p.grad, dict(layer=name, kind=kind, stream="param_grad", param=pname))
                  for name, kind, pname, p in self._parameters() if p.grad is not None]
+        # activation gradients: one reading per layer however many backward passes (micro-batches) ran
         readings = layer_readings([g for g, _ in grads], [m for _, m in grads], self._scale()) \
-            + to_readings(self._grad_outputs)
+            + list(fold({}, to_readings(self._grad_outputs)).values())
         self._grad_outputs = []
         scaled = self.scaler is not None and self.scaler.is_enabled()
         broken = any(r.nan_count or r.inf_count for r in readings)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 from torch import overrides
 from torch.nn.modules import module as nn_module
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from .axes import LOST, Axes, op_name
@@ -105,14 +106,17 @@ class ForwardTrace(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True):
         super().__init__()
         self.sink, self.wanted = sink, wanted
-        self.paths = {m: module_path(n) for n, m in model.named_modules()}
+        # modules that compute a parameter (`parametrize`, weight_norm): run untraced, never read
+        self.computing = {m for m in model.modules() if isinstance(m, parametrize.ParametrizationList)}
+        inside = {sub for m in self.computing for sub in m.modules()}
+        self.paths = {m: module_path(n) for n, m in model.named_modules() if m not in inside}
         self.kinds = {m: module_kind(m) for m in self.paths}
         self.leaves = {m for m in self.paths if not any(True for _ in m.children())}
         self.axes = Axes()
         self.stack: list[_Frame] = []
         self.calls: dict[str, int] = {}
         self._busy = False
-        self._hooks = []
+        self._hooks, self._paused = [], []
         self.open: Output | None = None   # the newest layer output, sunk at the next event
         self.relu: tuple | None = None    # (relu's output tensor, the Output whose pass gives its reading)
 
@@ -212,6 +216,9 @@ class ForwardTrace(TorchFunctionMode):
         return out
 
     def _enter_module(self, module, inputs):
+        if module in self.computing:
+            self._paused.append(overrides._get_current_function_mode() is self and overrides._pop_mode() is self)
+            return
         if module in self.paths and not self._busy:
             frame = _Frame(self.paths[module], module, self.kinds[module], module in self.leaves)
             self.stack.append(frame)
@@ -223,6 +230,10 @@ class ForwardTrace(TorchFunctionMode):
     def _exit_module(self, module, inputs, *rest):
         # (kwargs, output); torch calls an always_call hook without kwargs after a forward raised
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
+        if module in self.computing:
+            if self._paused and self._paused.pop():
+                overrides._push_mode(self)
+            return
         if module not in self.paths or self._busy:
             return
         self._flush()
@@ -289,3 +300,13 @@ class ForwardTrace(TorchFunctionMode):
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
+
+
+def own_parameters(module: torch.nn.Module):
+    """(name, parameter) of a module's own parameters, those its parametrizations compute a tensor
+    from included (`weight.original0` of a weight-normed conv): what its gradients are read of."""
+    yield from module.named_parameters(recurse=False)
+    if parametrize.is_parametrized(module):
+        for tensor, plist in module.parametrizations.items():
+            for name, p in plist.named_parameters():
+                yield f"{tensor}.{name}", p
