@@ -167,9 +167,28 @@ def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float 
     """Layer-level readings (norm, extremes, zeros, NaN/Inf; unit axis 0) of many tensors, as a
     per-step gradient reading takes them (`metas`: each one's layer, kind, stream, param): the CPU
     float32 ones in one kernel batch, the others by torch kernels and one host transfer. The
-    values carry a factor `scale` (a loss scaler's), divided out."""
+    values carry a factor `scale` (a loss scaler's), divided out. A sharded tensor (a DTensor:
+    FSDP2, tensor parallel) is read from its local shard, its sums and extremes then reduced
+    across its mesh (never gathered): the whole tensor's reading, on every rank."""
     for t, meta in zip(tensors, metas):
         check_reducible(t.is_floating_point(), t.dtype, tuple(t.shape), meta["layer"])
+    shards = [_local(t, meta["layer"]) for t, meta in zip(tensors, metas)]
+    if any(mesh is not None for _, mesh, _ in shards):
+        return _whole(_local_readings([s for s, _, _ in shards], metas, scale), tensors, shards)
+    return _local_readings(tensors, metas, scale)
+
+
+def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float) -> list[Reading]:
+    """`layer_readings` of plain tensors; an empty one (a rank's share of a small sharded tensor)
+    reads as no values."""
+    empty = [i for i, t in enumerate(tensors) if t.numel() == 0]
+    if empty:
+        kept = [i for i in range(len(tensors)) if i not in empty]
+        got = iter(_local_readings([tensors[i] for i in kept], [metas[i] for i in kept], scale))
+        return [Reading(shape=tuple(tensors[i].shape), unit_axis=0, units=0, count=0, nan_count=0, inf_count=0,
+                        zero_count=0, sum=0.0, sumsq=0.0, min=math.nan, max=math.nan,
+                        dtype=str(tensors[i].dtype).removeprefix("torch."), **metas[i])
+                if i in empty else next(got) for i in range(len(tensors))]
     fused = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype == torch.float32] \
         if kernel.available else []
     out: list = [None] * len(tensors)
@@ -186,6 +205,72 @@ def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float 
     for i, r in zip(rest, to_readings(pending)):
         out[i] = r
     return out
+
+
+def _local(t: torch.Tensor, layer: str):
+    """A sharded tensor (DTensor) as (its local shard, its mesh, how many ranks hold each of its
+    values); a plain tensor as (itself, None, 1)."""
+    placements = getattr(t, "placements", None)
+    if placements is None or not hasattr(t, "to_local"):
+        return t, None, 1
+    if any(p.is_partial() for p in placements):
+        raise ReductionError(f"layer {layer!r}: a sharded tensor holding partial sums (a Partial placement) "
+                             "is not its values until reduced")
+    mesh = t.device_mesh
+    return t.to_local(), mesh, math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
+
+
+def _whole(readings: list[Reading], tensors: list[torch.Tensor], shards: list[tuple]) -> list[Reading]:
+    """The readings of sharded tensors from their local shards' readings: sums added, extremes
+    taken across each mesh (one collective per merge rule and mesh), each value counted once."""
+    meshes: dict[int, list[int]] = {}
+    for i, (_, mesh, _) in enumerate(shards):
+        if mesh is not None:
+            meshes.setdefault(id(mesh), []).append(i)
+    for members in meshes.values():
+        mesh = shards[members[0]][1]
+        group = [readings[i] for i in members]
+        for r in group:  # an extreme of no finite value is NaN, which MIN and MAX would not skip
+            r.min, r.max = (math.inf if math.isnan(r.min) else r.min), (-math.inf if math.isnan(r.max) else r.max)
+        all_reduce(group, shards[members[0]][0].device, [mesh.get_group(d) for d in range(mesh.ndim)])
+        for i, r in zip(members, group):
+            copies, shape = shards[i][2], tuple(tensors[i].shape)
+            for name in ("nan_count", "inf_count", "zero_count"):
+                setattr(r, name, getattr(r, name) // copies)
+            r.sum, r.sumsq = r.sum / copies, r.sumsq / copies
+            r.min, r.max = (math.nan if math.isinf(r.min) else r.min), (math.nan if math.isinf(r.max) else r.max)
+            r.shape, r.units, r.count = shape, shape[0] if shape else 1, math.prod(shape)
+    return readings
+
+
+def update_norms(now: list[torch.Tensor], before: list[torch.Tensor | None]) -> list[float | None]:
+    """‖w − w_before‖ of each parameter (None where there is no before), sharded ones (DTensor)
+    from their local shards, their squares added across the mesh; `before` holds local shards."""
+    out: list = [None] * len(now)
+    sharded: dict[int, list] = {}
+    for i, (w, prev) in enumerate(zip(now, before)):
+        if prev is None:
+            continue
+        local, mesh, copies = _local(w.detach(), "?")
+        sq = torch.linalg.vector_norm(local - prev, dtype=_F64).square()
+        if mesh is None:
+            out[i] = float(sq.sqrt())
+        else:
+            sharded.setdefault(id(mesh), [mesh, []])[1].append((i, sq, copies))
+    import torch.distributed as dist
+
+    for mesh, items in sharded.values():
+        flat = torch.stack([sq for _, sq, _ in items])
+        for d in range(mesh.ndim):
+            dist.all_reduce(flat, group=mesh.get_group(d))
+        for (i, _, copies), v in zip(items, flat.cpu().tolist()):
+            out[i] = math.sqrt(v / copies)
+    return out
+
+
+def local_copy(w: torch.Tensor) -> torch.Tensor:
+    """A copy of a parameter's values held here (a sharded one's local shard), for `update_norms`."""
+    return _local(w.detach(), "?")[0].clone()
 
 
 def relu_of(source: Pending, layer: str) -> Pending:
@@ -229,34 +314,40 @@ def _finish(p: Pending, v: dict) -> Reading:
                               update_norm=None if norm is None else float(norm[0]))
 
 
-def all_reduce(readings: list[Reading], device: torch.device | None = None) -> None:
+def all_reduce(readings: list[Reading], device: torch.device | None = None, groups=(None,)) -> None:
     """Merge every rank's readings of its probe shard in place, field by field by the schema's
-    merge rules (sums, minima, maxima; the batch extents add): one collective per rule, on
-    `device` (where the process group's backend wants its tensors)."""
+    merge rules (sums and the batch extents add; minima, and maxima as minima of their negatives):
+    two collectives per process group (the default: every rank), on `device` (where the group's
+    backend wants its tensors)."""
     import torch.distributed as dist
 
-    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    for rule, op in ops.items():
-        parts = [(r, name) for r in readings for name in _FIELDS if MERGE.get(name) == rule
-                 and getattr(r, name) is not None]
-        if rule == "sum":
-            parts += [(r, "shape") for r in readings if r.shape]  # `concat`: the batch extent adds
+    for op, rules in ((dist.ReduceOp.SUM, ("sum", "concat")), (dist.ReduceOp.MIN, ("min", "max"))):
+        parts = [(r, name) for r in readings for name in _FIELDS if MERGE.get(name) in rules
+                 and getattr(r, name) is not None and (name != "shape" or r.shape)]
         if not parts:
             continue
-        values = [np.atleast_1d(np.asarray(getattr(r, n)[0] if n == "shape" else getattr(r, n), np.float64))
-                  for r, n in parts]
+        values = [np.atleast_1d(np.asarray(_as_min(getattr(r, n), n), np.float64)) for r, n in parts]
         flat = torch.from_numpy(np.concatenate(values)).to(device or "cpu")
-        dist.all_reduce(flat, op=op)
+        for group in groups:
+            dist.all_reduce(flat, op=op, group=group)
         host, pos = flat.cpu().numpy(), 0
         for (r, name), v in zip(parts, values):
-            new, pos = host[pos: pos + v.size], pos + v.size
+            new, pos = _as_min(host[pos: pos + v.size], name), pos + v.size
             old = getattr(r, name)
-            if name == "shape":
+            if name == "shape":  # `concat`: the batch extent adds
                 r.shape = (int(new[0]), *r.shape[1:])
             elif isinstance(old, np.ndarray):
                 setattr(r, name, new.astype(old.dtype))
             else:
                 setattr(r, name, type(old)(new[0]))
+
+
+def _as_min(value, name: str):
+    """A field's values as a MIN collective takes them (a maximum negated) and back; the batch
+    extent of a shape alone."""
+    if name == "shape":
+        return value[:1]
+    return -np.asarray(value) if MERGE[name] == "max" else value
 
 
 _FIELDS = [f.name for f in fields(Reading)]

@@ -22,7 +22,8 @@ from torch import nn
 
 from actrace.record import Recorder, patterns
 from actrace.reduce import fold
-from actrace.reduce.torch import Pending, all_reduce, layer_readings, reduce_tensor, relu_of, to_readings
+from actrace.reduce.torch import (Pending, all_reduce, layer_readings, local_copy, reduce_tensor, relu_of,
+                                  to_readings, update_norms)
 
 from .kinds import module_kind
 from .probe import Probe
@@ -37,6 +38,19 @@ def _dist():
     if d.is_available() and d.is_initialized() and d.get_world_size() > 1:
         return d.get_rank(), d.get_world_size()
     return 0, 1
+
+
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Whether the model's layers are split across ranks that see the same batch (tensor parallel:
+    DTensor parameters outside FSDP, or on a mesh of more than one dimension)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    return bool(sharded) and (not fsdp or any(p.device_mesh.ndim > 1 for p in sharded))
 
 
 def _device(model: nn.Module) -> torch.device | None:
@@ -81,7 +95,12 @@ class Monitor(Recorder):
                        and any(True for _ in own_parameters(m)) and self._wanted(name, m)}
         self.layer_index: dict[str, int] = {}
         self._params = None
-        mode = self._trial()
+        self.split = _tensor_parallel(self.inner)
+        if self.split and self.rank == 0:
+            warnings.warn("actrace: a tensor-parallel model: each rank holds a slice of its layers' units, which "
+                          "this version does not read as one; probe readings are skipped, gradient and parameter "
+                          "readings are read whole", stacklevel=2)
+        mode = "eval" if self.split else self._trial()
         order = list(self.layer_index) + list(self.layers)
         trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
         self._parameters()
@@ -126,6 +145,11 @@ class Monitor(Recorder):
         return out.axis
 
     def _floating(self, out: Output) -> bool:
+        if type(out.tensor) not in (torch.Tensor, nn.Parameter) and not out.tensor.is_nested:
+            if out.name not in self._warned:  # a tensor subclass (a DTensor): its values are not all here
+                self._warned.add(out.name)
+                warnings.warn(f"actrace: skipping {out.name}: a {type(out.tensor).__name__} is not read", stacklevel=4)
+            return False
         if out.tensor.is_floating_point():
             return True
         if out.name not in self._warned:
@@ -242,6 +266,8 @@ class Monitor(Recorder):
     def probe_reading(self, step: int) -> int:
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
         self.last_probe = step
+        if self.split:
+            return 0
         fingerprint = self._probe.check()
         merged: dict = {}
         with self._evaluation():
@@ -318,18 +344,14 @@ class Monitor(Recorder):
 
     def parameter_reading(self, step: int) -> int:
         """Record every parameter tensor and its update norm ‖w − w_prev‖ since the last parameter reading."""
-        pending = []
-        for name, kind, pname, p in self._parameters():
-            value = reduce_tensor(p, 0 if p.ndim else None, kind, layer=name, stream="param", param=pname,
-                                  per_unit=False, histogram=False)
-            prev = self._previous.get((name, pname))
-            if prev is None:
-                self._previous[(name, pname)] = p.detach().clone()
-            else:
-                value.stats["update_norm"] = torch.linalg.vector_norm(p.detach() - prev, dtype=torch.float64)
-                prev.copy_(p.detach())
-            pending.append(value)
-        return self.write(step, to_readings(pending), mode="train")
+        params = self._parameters()
+        readings = layer_readings([p.detach() for *_, p in params], [
+            dict(layer=name, kind=kind, stream="param", param=pname) for name, kind, pname, _ in params])
+        keys = [(name, pname) for name, _, pname, _ in params]
+        for r, norm in zip(readings, update_norms([p for *_, p in params], [self._previous.get(k) for k in keys])):
+            r.update_norm = norm
+        self._previous = {k: local_copy(p) for k, (*_, p) in zip(keys, params)}
+        return self.write(step, readings, mode="train")
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before
