@@ -55,18 +55,18 @@ def main() -> None:
         model, probe, _ = build()
         model.eval()
         with tempfile.TemporaryDirectory() as d:
-            mon = Monitor(model, probe, f"{d}/a.parquet", flush_every=10_000_000)
-            quiet = Monitor(model, probe, f"{d}/b.parquet", flush_every=10_000_000, histogram=False)
+            mon = Monitor(model, probe, f"{d}/a.parquet", flush_every=10_000_000, grad_every=None)
+            quiet = Monitor(model, probe, f"{d}/b.parquet", flush_every=10_000_000, histogram=False, grad_every=None)
             steps, kept = itertools.count(), []
 
             def traced(sink):
                 def run():
-                    mon._trace.sink, own = sink, mon._trace.sink
+                    mon.forward.trace.sink, own = sink, mon.forward.trace.sink
                     try:
-                        with torch.no_grad(), mon._trace:
+                        with torch.no_grad(), mon.forward.trace:
                             model(probe)
                     finally:
-                        mon._trace.sink = own
+                        mon.forward.trace.sink = own
                 return run
 
             def drop(out):

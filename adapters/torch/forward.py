@@ -1,0 +1,158 @@
+"""The probe forward: the model in evaluation behaviour on the fixed probe, every selected layer
+output and activation read the moment it is made (`ForwardTrace`), chunks merged and, across
+data-parallel ranks, all-reduced. At construction the first chunk runs twice (`trial`): the
+model takes the probe, depth is forward order, and evaluation behaviour is deterministic.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from actrace.reduce import fold
+from actrace.reduce.torch import Pending, all_reduce, reduce_tensor, relu_of, to_readings
+
+from .probe import Probe
+from .trace import ForwardTrace, Output, output_tensors
+
+
+class ProbeForward:
+    """Reads `model` on `probe` (a `Probe`): `read()` gives one Reading per selected name
+    (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
+
+    def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
+                 chunk: int | None, rank: int = 0, world: int = 1):
+        self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
+        self.histogram, self.chunk, self.rank, self.world = histogram, chunk, rank, world
+        self.trace = ForwardTrace(model, self._read, wanted)
+        self.warned: set[str] = set()
+        self._outputs: list[tuple[Output, Pending]] = []
+
+    def axis(self, out: Output) -> int | None:
+        if out.kind == "softmax" and out.axis is not None:
+            return out.axis  # the axis it normalizes, which its saturation counts across (spec §Units)
+        for pattern, axis in self.unit_axes.items():
+            if fnmatch.fnmatch(out.name, pattern):
+                return axis
+        return out.axis
+
+    def floating(self, out: Output) -> bool:
+        """Whether the output can be read: a plain floating tensor (else said once per name)."""
+        if type(out.tensor) not in (torch.Tensor, nn.Parameter) and not out.tensor.is_nested:
+            why = f"a {type(out.tensor).__name__} is not read"  # a tensor subclass (DTensor): not all its values here
+        elif not out.tensor.is_floating_point():
+            why = f"non-float output ({out.tensor.dtype})"
+        else:
+            return True
+        if out.name not in self.warned:
+            self.warned.add(out.name)
+            warnings.warn(f"actrace: skipping {out.name}: {why}", stacklevel=4)
+        return False
+
+    def _read(self, out: Output) -> None:
+        if self.floating(out):
+            source = out.relu_of.reading if out.relu_of is not None else None
+            if isinstance(source, Pending) and source.relu is not None and self.axis(out) == self.axis(out.relu_of):
+                out.reading = relu_of(source, out.name)
+            else:
+                out.reading = reduce_tensor(out.tensor, self.axis(out), out.kind, layer=out.name, bounds=out.bounds,
+                                            histogram=self.histogram, relu_too=out.feeds_relu)
+            self._outputs.append((out, out.reading))
+        out.tensor = None  # read: the activation is not held
+
+    @contextmanager
+    def evaluation(self):
+        """Eval mode and no_grad for a probe forward; the modules' own modes restored afterwards."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def read(self) -> list:
+        """This rank's share of the probe, chunk by chunk (one host transfer each), merged, and
+        all-reduced across data-parallel ranks."""
+        merged: dict = {}
+        with self.evaluation():
+            for chunk in self.probe.chunks(self.rank, self.world, self.chunk):
+                self._outputs = []
+                with self.trace:
+                    Probe.call(self.model, chunk)
+                for out, p in self._outputs:
+                    p.layer = out.name  # the name the trace settled on, once the chunk ran
+                fold(merged, to_readings([p for out, p in self._outputs if out.name is not None]))
+                self._outputs = []
+        readings = list(merged.values())
+        if self.world > 1:
+            all_reduce(readings, next((t.device for t in self.model.parameters()), None))
+        return readings
+
+    def trial(self, selection: str | None) -> tuple[str, list[str]]:
+        """Run the first probe chunk twice: (mode, the names in forward order); mode 'train' if the
+        two passes differ. `selection` describes the include/exclude/types given, if any."""
+        passes, seen, order = [], [], []
+
+        def note(o: Output) -> None:
+            seen.append((o, _signature(o.tensor)))
+            o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
+        trace = ForwardTrace(self.model, note, self.wanted)
+        for _ in range(2):
+            seen.clear()
+            try:
+                with self.evaluation(), trace:
+                    result = Probe.call(self.model, self.probe.first_chunk(self.chunk))
+            except Exception as e:  # the model's own error, whatever it is
+                first = (str(e).strip().splitlines() or [""])[0]
+                hint = "; a dict probe is passed as keyword arguments: give (probe,) to pass it as one argument" \
+                    if isinstance(self.probe.value, dict) and "keyword argument" in first else ""
+                raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
+                                 f"{type(e).__name__}: {first}{hint}") from e
+            passes.append([(o.name, s) for o, s in seen if o.name] +
+                          [(f"output{k}", _signature(t)) for k, t in output_tensors(result)])
+            if len(passes) == 1:
+                order = list(dict.fromkeys(o.name for o, _ in seen if o.name))
+                self._say_unread(order, selection, seen)
+        first, second = passes
+        differ = next((a for a, b in zip(first, second) if not _same(a[1], b[1])), None)
+        if differ is None and len(first) == len(second):
+            return "eval", order
+        culprit = differ[0] if differ else "the set of layers"
+        kinds = sorted({type(m).__name__ for m in self.model.modules()
+                        if "dropout" in type(m).__name__.lower() or "noise" in type(m).__name__.lower()})
+        warnings.warn(f"actrace: two identical evaluation-mode passes over the probe differ, first at {culprit!r}: "
+                      f"some module ignores eval() (a custom dropout or noise{': ' + ', '.join(kinds) if kinds else ''}),"
+                      f" so readings measure its randomness; they are marked mode=train", stacklevel=3)
+        return "train", order
+
+    def _say_unread(self, order: list[str], selection: str | None, seen) -> None:
+        """Once, at the first pass: a selection that matches nothing, and unit axes not followed."""
+        if not order and selection:
+            names: list[str] = []
+            with self.evaluation(), ForwardTrace(self.model, lambda o: names.append(o.name), lambda *_: True):
+                Probe.call(self.model, self.probe.first_chunk(self.chunk))
+            warnings.warn(f"actrace: no reading matches {selection}, so nothing will be recorded; the model's "
+                          f"readings are: {', '.join(n for n in names if n)[:300]}", stacklevel=4)
+        lost = [o.name for o, _ in seen if o.name and o.axis is None and o.tensor > 1
+                and not any(fnmatch.fnmatch(o.name, p) for p in self.unit_axes)]
+        if lost:
+            warnings.warn(f"actrace: the unit axis of {len(lost)} reading(s) cannot be followed from the "
+                          f"ops that made them, so each is read as one unit (give unit_axes= to say "
+                          f"which axis): {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''}", stacklevel=4)
+
+
+def _signature(t: torch.Tensor) -> float:
+    """A cheap summary of a tensor's values, to compare two passes."""
+    if t.is_nested:
+        t = torch.cat([c.reshape(-1) for c in t.unbind()])
+    return float(t.detach().to(torch.float64).sum())
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)

@@ -1,0 +1,111 @@
+"""What a gradient reading reads: every selected layer's own parameters, each once (a tied one
+under its first name, a parametrization's originals under its tensor's name), their `.grad`
+unscaled under a loss scaler; and, with `activation_grads`, each layer output's gradient through
+the backward, one reading per layer however many backward passes ran before the step.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from actrace.reduce import fold
+from actrace.reduce.torch import layer_readings, reduce_tensor, to_readings
+
+from .forward import ProbeForward
+from .recurrent import param as recurrent_param
+from .trace import ForwardTrace, Output, own_parameters
+
+
+class Gradients:
+    """The gradients of `layers` ({name: (module, kind)}) of `forward.model`; activation gradients
+    of the forwards that start while `due()` says so."""
+
+    def __init__(self, forward: ProbeForward, layers: dict, scaler=None, activation_grads: bool = False,
+                 due=lambda: True):
+        self.forward, self.scaler, self.due = forward, scaler, due
+        self.params, self.aliases = _parameters(layers)
+        self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
+                         if p.requires_grad]
+        if activation_grads:
+            model = forward.model
+            self._trace = ForwardTrace(model, self._hook, forward.wanted)
+            self._handles += [model.register_forward_pre_hook(self._start),
+                              model.register_forward_hook(self._stop, always_call=True)]
+
+    def _arrived(self, _param) -> None:
+        self.fresh = True
+
+    def scale(self) -> float:
+        """The factor gradients carry now: the scaler's scale, unless they were unscaled already."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        from torch.amp.grad_scaler import OptState
+
+        states = getattr(self.scaler, "_per_optimizer_states", {}).values()
+        return 1.0 if any(s.get("stage") is OptState.UNSCALED for s in states) else float(self.scaler.get_scale())
+
+    def read(self) -> list:
+        """Every parameter's gradient (layer-level), then the activation gradients gathered since."""
+        grads = [(p.grad, dict(layer=name, kind=kind, stream="param_grad", param=pname))
+                 for name, kind, pname, p in self.params if p.grad is not None]
+        readings = layer_readings([g for g, _ in grads], [m for _, m in grads], self.scale()) \
+            + list(fold({}, to_readings(self._outputs)).values())
+        self._outputs = []
+        return readings
+
+    def _start(self, module, inputs):
+        if torch.is_grad_enabled() and self.due():
+            self._tracing = True
+            self._trace.__enter__()
+
+    def _stop(self, module, inputs, output):
+        if not self._tracing:
+            return
+        self._tracing = False
+        self._trace.__exit__(None, None, None)
+        if self._no_grad and "no_grad" not in self.forward.warned:
+            self.forward.warned.add("no_grad")
+            blocks = sorted({name.rsplit(".", 1)[0] for name in self._no_grad})
+            warnings.warn(f"actrace: the activation gradients of {len(self._no_grad)} reading(s) in "
+                          f"{', '.join(blocks[:6])}{' ...' if len(blocks) > 6 else ''} cannot be read: the forward "
+                          "runs them without autograd (torch.utils.checkpoint with use_reentrant=True "
+                          "recomputes them inside the backward); use_reentrant=False reads them", stacklevel=2)
+
+    def _hook(self, out: Output) -> None:
+        if not torch.is_grad_enabled() and out.name:  # a block run under no_grad inside a training forward
+            self._no_grad.add(out.name)
+        elif out.tensor.requires_grad and self.forward.floating(out):
+            axis = self.forward.axis(out)
+
+            def hook(grad):  # read at once: the backward may reuse the gradient's memory
+                if out.name:
+                    scale = self.scale()
+                    self._outputs.append(reduce_tensor(
+                        grad if scale == 1.0 else grad / scale, axis, out.kind, layer=out.name,
+                        stream="activation_grad", bounds=out.bounds, histogram=self.forward.histogram))
+            out.tensor.register_hook(hook)
+        out.tensor = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _parameters(layers: dict) -> tuple[list[tuple[str, str, str, nn.Parameter]], dict[str, str]]:
+    """(layer, kind, parameter name, parameter) of every layer's own parameters, each once, and the
+    other names of tied ones (`aliases`); a recurrent module's by layer and direction (`lstm.l1`,
+    `weight_ih`)."""
+    params, aliases, first = [], {}, {}
+    for name, (module, kind) in layers.items():
+        for pname, p in own_parameters(module):
+            layer, own = recurrent_param(name, module, pname)
+            if p in first:
+                aliases[f"{layer}/{own}"] = first[p]
+            else:
+                first[p] = f"{layer}/{own}"
+                params.append((layer, kind, own, p))
+    return params, aliases
+
