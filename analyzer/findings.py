@@ -56,6 +56,9 @@ class Rules:
     #                                  a warning, not a critical finding)
     update_growth: float = 10.0      # or the layers' median update ratio this many times its median over
     #                                  the earlier parameter readings (critical when the loss stopped falling)
+    massive_ratio: float = 100.0     # a unit's max |h| this many times the median unit's (Sun et al. 2024
+    #                                  find ~1000x in trained LLMs; a random init stays under 10x) ...
+    massive_readings: int = 3        # ... the same unit at this many consecutive readings, the last included
 
 
 @dataclass
@@ -103,6 +106,9 @@ ADVICE = {
                    "to then are kept",
     "stream_missing": "the monitor never got what it was set to read: call monitor.step(step) after "
                       "loss.backward() and before optimizer.zero_grad()",
+    "massive_activation": "a few fixed units carry values far above the rest (outlier features, attention sinks): "
+                          "they dominate the layer's norm and break low-precision quantization; watch them against "
+                          "the loss, consider QK-norm, weight decay, or an explicit attention sink",
     "scaler_skipped": "the loss scaler skipped these updates and lowered its scale: normal now and then under "
                       "mixed precision; often in a row, lower the LR or the initial scale",
 }
@@ -139,7 +145,7 @@ def _finding(severity, rule, run, layer, step, evidence, *, score=0.0, stream="a
 
 
 _READINGS = ("step", "layer_index", "kind", "dead_fraction", "saturation_value", "saturation_unit", "mean", "std",
-             "nan_count", "inf_count")
+             "nan_count", "inf_count", "top_unit", "top_ratio")
 
 
 def _per_layer(m: pl.DataFrame, stream: str):
@@ -227,6 +233,25 @@ def _saturation(run, layer, g, r: Rules, what, advice) -> Finding | None:
     return None
 
 
+def _massive(run, layer, g, r: Rules, index: int) -> Finding | None:
+    """One unit of an unbounded layer far above the others, the same unit reading after reading
+    (a bounded layer's values cannot be massive: a peaked softmax is saturation)."""
+    kind = g["kind"][0]
+    ratio, top, steps = g["top_ratio"], g["top_unit"], g["step"]
+    if kind == "clip" or KIND_BOUNDS.get(kind) is not None or not len(ratio) or not ratio[-1] >= r.massive_ratio:
+        return None
+    held = (ratio >= r.massive_ratio) & (top == top[-1])
+    streak = len(held) - (np.flatnonzero(~held)[-1] + 1 if (~held).any() else 0)
+    if streak < r.massive_readings:
+        return None
+    start = steps[-streak]
+    return _finding("warning", "massive_activation", run, layer, start,
+                    f"unit {int(top[-1])} reaches {ratio[-1]:.0f}× the max |h| of the layer's median unit at step "
+                    f"{steps[-1]}, above {r.massive_ratio:g}× and the largest unit at every reading since step "
+                    f"{start} ({streak} readings)", score=ratio[-1], value=ratio[-1], threshold=r.massive_ratio,
+                    first=start, last=steps[-1], index=index)
+
+
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
     names = {run: set(layers) for run, layers in m.group_by("run").agg(pl.col("layer").unique()).iter_rows()}
@@ -246,6 +271,9 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
                                 f"step {start}", score=pinned[-1], advice=advice, value=pinned[-1],
                                 threshold=r.max_saturation_units, first=start, last=steps[-1], index=index))
+        massive = _massive(run, layer, g, r, index)
+        if massive:
+            out.append(massive)
         clean = g["nan_count"] + g["inf_count"] == 0  # NaN readings are nan_inf's business
         std, mean = g["std"][clean], g["mean"][clean]
         steps = steps[clean]

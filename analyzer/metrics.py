@@ -24,7 +24,8 @@ from actrace.files.validate import metadata_problems, row_problems, run_problems
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
-EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint"]
+EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint", "top_unit",
+                 "top_ratio"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
          "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value"]
@@ -97,7 +98,29 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
                                    nulls | np.isnan(near_hi))
             pinned = np.where(upper_rows, upper, both)
     pinned[np.isnan(b_lo)] = np.nan
-    return {"dead_units": dead, "pinned_units": pinned}
+    top, ratio = _top_units(np.fmax(np.abs(lo), np.abs(hi)), starts, nulls)
+    return {"dead_units": dead, "pinned_units": pinned, "top_unit": top, "top_ratio": ratio}
+
+
+def _top_units(absmax: np.ndarray, starts: np.ndarray, nulls: np.ndarray, fewest: int = 8):
+    """Per row: the unit of the largest |h| (the first on ties) and its |h| over the median unit's
+    (spec §Metrics, outlier unit); NaN for rows of fewer than `fewest` units or a median of 0."""
+    rows = len(starts)
+    lengths = np.diff(np.append(starts, len(absmax)))
+    row = np.repeat(np.arange(rows), lengths)
+    mag = np.where(np.isnan(absmax), 0.0, absmax)  # a unit with no finite value holds nothing large
+    order = np.lexsort((-np.arange(len(mag)), mag, row))  # by row, then |h|; the first unit last on ties
+    ranked = mag[order]
+    top, ratio = np.full(rows, np.nan), np.full(rows, np.nan)
+    ok = (lengths >= fewest) & ~nulls
+    if ok.any():
+        lo, n = starts[ok], lengths[ok]
+        median = (ranked[lo + (n - 1) // 2] + ranked[lo + n // 2]) / 2
+        last = lo + n - 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio[ok] = np.where(median > 0, ranked[last] / median, np.nan)
+        top[ok] = order[last] - lo
+    return top, ratio
 
 
 def _finite_n() -> pl.Expr:
@@ -154,7 +177,7 @@ def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.Lazy
         (pl.col("pinned_units") / pl.col("units")).alias("saturation_unit"), *moments(), "min", "max",
         l2_norm(pl.col("sumsq"), pl.col("nan_count") + pl.col("inf_count")).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
-        "nan_count", "inf_count", _finite_n().alias("values"),
+        "nan_count", "inf_count", _finite_n().alias("values"), pl.col("top_unit").cast(pl.Int64), "top_ratio",
     )
 
 
@@ -205,9 +228,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
             pc.is_in(table["kind"], pa.array(list(KINDS))), table["kind"], "other"))
     counts = unit_counts(table, th)
     table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
-    df = pl.from_arrow(table).with_columns(
-        pl.Series("dead_units", counts["dead_units"], nan_to_null=True),
-        pl.Series("pinned_units", counts["pinned_units"], nan_to_null=True))
+    df = pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
     unique = df.unique(subset=list(READING_KEY), keep="last", maintain_order=True)
     if unique.height < df.height:  # spec §Validity: one reading per key; the last written stands
         warnings.warn(f"{source}: {df.height - unique.height} reading(s) repeat a (run, layer, stream, param, "

@@ -291,9 +291,10 @@ def test_two_gloo_ranks_record_what_one_process_records(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     subprocess.run([sys.executable, script, "0", "1", tmp_path / "single.parquet", port], check=True)
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", tmp_path / "ddp.parquet", port])
-             for r in range(2)]
-    assert [p.wait(timeout=HUNG) for p in procs] == [0, 0]
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", tmp_path / "ddp.parquet", port],
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    said = [p.communicate(timeout=HUNG)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(s[-2000:] for s in said)
     single = actrace.read_table(tmp_path / "single.parquet").to_pylist()
     ddp = actrace.read_table(tmp_path / "ddp.parquet").to_pylist()
     assert len(single) == len(ddp) == 4

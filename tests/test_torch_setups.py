@@ -153,3 +153,24 @@ def test_a_weight_normed_conv_is_a_layer_not_an_activation_and_its_originals_get
                                    float((g * g).sum()), rtol=1e-6)
     assert ("encoder.pos_conv_embed.conv", "bias") in grads
     assert validate(out) == []
+
+
+def test_activation_gradients_of_a_compiled_model_are_read_as_the_eager_ones(tmp_path):
+    """`torch.compile`: the activation gradients read at every step equal the eager model's."""
+    rows = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        run = torch.compile(model) if compiled else model
+        x = torch.randn(16, 8)
+        out = tmp_path / f"{compiled}.parquet"
+        with Monitor(run, x, out, probe_every=100, activation_grads=True) as mon:
+            for step in range(2):
+                run(x).pow(2).mean().backward()
+                mon.step(step)
+                model.zero_grad()
+        rows.append({(r["step"], r["layer"]): r for r in actrace.read_table(out).to_pylist()
+                     if r["stream"] == "activation_grad"})
+    assert sorted(rows[0]) == sorted(rows[1]) == [(s, layer) for s in (0, 1) for layer in ("0", "1", "2")]
+    for key, a in rows[0].items():
+        np.testing.assert_allclose(rows[1][key]["sumsq"], a["sumsq"], rtol=1e-5, err_msg=str(key))

@@ -98,3 +98,31 @@ def test_a_bert_attention_softmax_is_read_across_its_keys_and_a_mask_to_one_key_
     assert (r["unit_axis"], r["units"], r["shape"]) == (3, 6, [4, 2, 6, 6]), name  # [batch, heads, queries, keys]
     m = metrics(tmp_path / "b.parquet").filter(pl.col("layer") == name)
     assert m["saturation_value"].to_list() == [1.0] and m["saturation_unit"].to_list() == [1 / 6]
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["healthy", "unit-5-x1000"])
+def test_a_massive_activation_is_found_naming_its_unit_and_a_healthy_llama_has_none(tmp_path, scaled):
+    """One output unit of a Llama MLP made 1000× the others (its down-projection row scaled): the
+    finding names that layer and unit 5 at every reading; the same model unscaled says nothing."""
+    from actrace.analyzer import analyze
+
+    torch.manual_seed(0)
+    model, probe, _, _ = llama()
+    if scaled:
+        with torch.no_grad():
+            model.layers[0].mlp.down_proj.weight[5] *= 1000.0
+    out = tmp_path / "l.parquet"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # attention scores read as one unit: said, not the point here
+        with Monitor(model, probe, out, grad_every=None) as mon:
+            for step in range(3):
+                mon.probe_reading(step)
+    found = [f for f in analyze([out]).findings if f.rule == "massive_activation"]
+    m = metrics(out).filter(pl.col("layer") == "layers.0.mlp.down_proj")
+    if not scaled:
+        assert found == [] and m["top_ratio"].max() < 100
+        return
+    assert m["top_unit"].to_list() == [5, 5, 5] and m["top_ratio"].min() > 500
+    down = [f for f in found if f.layer == "layers.0.mlp.down_proj"]
+    assert len(down) == 1 and "unit 5 " in down[0].evidence and down[0].step == 0
+    assert all("unit 5 " in f.evidence for f in found)  # the residual stream carries the same unit on
