@@ -15,7 +15,7 @@ import numpy as np
 
 import actrace
 from actrace.reduce import kernel
-from actrace.reduce import reduce_array
+from actrace.reduce import reduce_array, reduce_arrays
 
 KERNEL_CASES = {  # name: (shape as (before, units, after), relu(x) too)
     "transformer linear1 4096x1024, +relu": ((4096, 1024, 1), True),
@@ -56,6 +56,16 @@ def main() -> None:
         size = path.stat().st_size
     print(f"  on disk: {size / n / 1024:.1f} KiB per reading, {size / n / 4096:.1f} bytes per unit per reading "
           f"(zstd, {n} readings of 4096 units)")
+    tiny = reduce_arrays([(rng.normal(size=(8, 16)).astype(np.float32), 1, "relu", dict(layer=f"l{i}"))
+                          for i in range(1000)])
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with actrace.Writer(Path(d) / "tiny.parquet", flush_every=10 ** 6) as w:
+            for step in range(20):
+                w.record_many(step, tiny, layer_indexes=list(range(1000)))
+        spent = time.perf_counter() - t0
+    print(f"writer, tiny readings (16 units): {20000 / spent:,.0f} readings/s buffered and written "
+          f"(goal >= 20,000/s)")
 
     if not kernel.available:
         print("fused kernel: not built here")

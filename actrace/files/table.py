@@ -1,6 +1,8 @@
 """Readings ↔ Arrow: turn buffered readings into a table of the spec's schema (spec §Columns)."""
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import pyarrow as pa
 
@@ -9,6 +11,7 @@ from actrace.format.schema import SCHEMA, UNIT_COLUMNS, canonical_kind
 
 _SCALARS = ("layer", "kind", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
             "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value")
+_scalars = operator.attrgetter(*_SCALARS)
 
 
 def _list_array(arrays: list[np.ndarray | None], typ: pa.ListType) -> pa.Array:
@@ -29,8 +32,8 @@ def readings_to_table(rows: list[tuple[Reading, dict]]) -> pa.Table:
     cols: dict[str, list | pa.Array] = {}
     for name in ("run", "step", "layer_index", "mode", "probe_fingerprint", "wall_time"):
         cols[name] = [ctx[name] for _, ctx in rows]
-    for name in _SCALARS:
-        cols[name] = [getattr(r, name) for r, _ in rows]
+    scalars = zip(*map(_scalars, (r for r, _ in rows))) if rows else [[] for _ in _SCALARS]
+    cols.update(zip(_SCALARS, map(list, scalars)))  # one C call per reading gives all its scalars
     cols["kind"] = [canonical_kind(r.kind, r.bounds)[0] for r, _ in rows]  # one kind per clamp, whoever wrote it
     cols["shape"] = [list(r.shape) for r, _ in rows]
     cols["bound_lo"] = [None if r.bounds is None else r.bounds[0] for r, _ in rows]

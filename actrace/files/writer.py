@@ -403,6 +403,21 @@ class Writer:
         self._unwritable = False
         return True
 
+    def _write_whole(self) -> bool:
+        """A trace whose readings are all still in memory, written at once (no part file to write
+        and read back); False where the disk refuses, leaving the part-file way to try."""
+        try:
+            write_parquet(readings_to_table(self._rows).replace_schema_metadata(metadata.encode(self.meta)),
+                          self.path)
+        except OSError:
+            return False
+        self.readings_written += len(self._rows)
+        self._rows.clear()
+        self.closed = True
+        shutil.rmtree(self.parts, ignore_errors=True)
+        self._unlock()
+        return True
+
     def close(self, failed: BaseException | None = None, *, at_exit: bool = False) -> Path:
         """Flush, compact the part files into the trace atomically, remove the parts. The trace's
         `status` says `complete`; `failed: TYPE` when the run ended with exception `failed`,
@@ -412,6 +427,8 @@ class Writer:
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
         self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
+        if self._n_parts == 0 and self._rows and self._write_whole():
+            return self.path
         flushed = self.flush()
         self.closed = True
         try:
