@@ -4,8 +4,9 @@ Times `actrace summary --format json` (a fresh process, as a user runs it) again
 reading the same columns with pyarrow alone, and against the per-layer dead fraction computed
 by DuckDB in one SQL query; peak memory (max RSS) of the summary; growth with 5, 10, 20 runs;
 `actrace report` time and HTML size.
-With --fleet: `actrace diff` of 2 and of 200 runs, and the 200-run report's size and drawing time.
-Run: .venv/bin/python bench/bench_analyzer.py [--out DIR] [--fleet]
+With --fleet: `actrace diff` of 2 and of 200 runs, and the 200-run report's size and drawing time;
+with --many-layers: `summary` of one run of 10,000 small layers × 3 readings.
+Run: .venv/bin/python bench/bench_analyzer.py [--out DIR] [--fleet | --many-layers]
 """
 from __future__ import annotations
 
@@ -125,13 +126,34 @@ def fleet(out: Path) -> None:
           f"drawn by Chromium in {statistics.median(loads):.2f} s (median of 3: {', '.join(f'{t:.2f}' for t in loads)})")
 
 
+def many_layers(path: Path, layers: int = 10_000, steps: int = 3) -> None:
+    """`actrace summary` of a run of many small layers, as a fresh process (start-up included)."""
+    from actrace.reduce import reduce_arrays
+
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with actrace.Writer(path, run="many", flush_every=10 ** 6) as w:
+            for step in range(steps):
+                w.record_many(step, reduce_arrays([(rng.normal(size=(8, 16)).astype(np.float32), 1,
+                                                    "relu" if i % 2 else "linear", dict(layer=f"blocks.{i}"))
+                                                   for i in range(layers)]), layer_indexes=list(range(layers)))
+    wall, peak = timed([sys.executable, "-m", "actrace.cli", "summary", "-o", "/dev/null", str(path)])
+    print(f"summary of {layers:,} layers x {steps} readings: {wall:.2f} s (goal <= 5 s), peak {peak:.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/actrace-bench-corpus"))
     parser.add_argument("--fleet", action="store_true", help="only the 200-run fleet: diff times, report size and draw")
+    parser.add_argument("--many-layers", action="store_true",
+                        help="only `summary` of one run of 10,000 layers x 3 readings (goal: <= 5 s)")
     args = parser.parse_args()
     if args.fleet:
         fleet(args.out.with_name(args.out.name + "-fleet"))
+        return
+    if args.many_layers:
+        many_layers(args.out.with_name(args.out.name + "-layers") / "many.parquet")
         return
     print("building corpus (once)…", file=sys.stderr)
     make_corpus(args.out, 20)
