@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     with torch.no_grad():
         model[0].bias[:4] = -100.0  # 4 of 16 units dead for every input
-    probe, x, y = torch.randn(12, 8), torch.randn(16, 8), torch.randn(16, 3)
+    probe, x, y = torch.randn(9, 8), torch.randn(16, 8), torch.randn(16, 3)  # 5 and 4 probe rows per rank
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         dist.init_process_group("gloo")
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        with Monitor(model, probe, out, probe_every=2, param_every=1) as mon:
+        with Monitor(model, probe, out, probe_every=2, param_every=1, probe_chunk=4) as mon:  # 2 chunks each
             for step in range(3):
                 ((model(x) - y) ** 2).mean().backward()
                 mon.step(step)

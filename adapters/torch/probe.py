@@ -58,12 +58,18 @@ class Probe:
         return leaf
 
     def chunks(self, rank: int = 0, world: int = 1, size: int | None = None):
-        """This rank's share of the probe in chunks of `size` examples (all of it by default)."""
+        """This rank's share of the probe in chunks of `size` examples (all of it by default). Every
+        rank runs as many chunks (sharded models run collectives in their forward): where the
+        shares differ by one, a chunk may hold one example more than `size`."""
         n = self.size
-        idx = np.array_split(np.arange(n), world)[rank]
-        step = size or max(len(idx), 1)
-        for start in range(0, len(idx), step):
-            lo, hi = int(idx[start]), int(idx[min(start + step, len(idx)) - 1]) + 1
+        share = np.array_split(np.arange(n), world)
+        idx = share[rank]
+        step = size or max(len(share[0]), 1)  # the largest share
+        count = max(1, min(-(-len(share[0]) // step), len(share[-1])))  # every rank's, none empty
+        for part in np.array_split(idx, count):
+            if not len(part):
+                continue
+            lo, hi = int(part[0]), int(part[-1]) + 1
             yield pytree.tree_map(
                 lambda leaf: leaf[lo:hi] if isinstance(leaf, torch.Tensor) and leaf.ndim and len(leaf) == n else leaf,
                 self._moved)
