@@ -131,22 +131,27 @@ def train(run: DemoRun, out: Path, export_dir: Path | None, torch) -> None:
 
 
 def run_demo(out_dir) -> int:
-    """Train, record, export, analyze, report; prints the findings and where the report is."""
+    """Train, record, export, analyze, report; prints the findings and where the report is. The
+    libraries' warnings about the demo's own small models are silenced here, and only here."""
     import warnings
 
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning)
+        return _run_demo(Path(out_dir))
+
+
+def _run_demo(out_dir: Path) -> int:
     import numpy as np
     import torch
 
     from actrace.adapters.onnx import record_onnx
     from actrace.analyzer.analysis import analyze
     from actrace.analyzer.report import build_report
-    from actrace.files.output import write
     from actrace.analyzer.summary import format_findings
+    from actrace.files.output import write
 
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    out_dir = Path(out_dir)
     runs_dir = out_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
