@@ -104,22 +104,27 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
 
 def _top_units(absmax: np.ndarray, starts: np.ndarray, nulls: np.ndarray, fewest: int = 8):
     """Per row: the unit of the largest |h| (the first on ties) and its |h| over the median unit's
-    (spec §Metrics, outlier unit); NaN for rows of fewer than `fewest` units or a median of 0."""
+    (spec §Metrics, outlier unit); NaN for rows of fewer than `fewest` units or a median of 0.
+    Rows of one width at a time, as a 2-D array: an argmax and a partition, no sort."""
     rows = len(starts)
     lengths = np.diff(np.append(starts, len(absmax)))
-    row = np.repeat(np.arange(rows), lengths)
     mag = np.where(np.isnan(absmax), 0.0, absmax)  # a unit with no finite value holds nothing large
-    order = np.lexsort((-np.arange(len(mag)), mag, row))  # by row, then |h|; the first unit last on ties
-    ranked = mag[order]
     top, ratio = np.full(rows, np.nan), np.full(rows, np.nan)
     ok = (lengths >= fewest) & ~nulls
-    if ok.any():
-        lo, n = starts[ok], lengths[ok]
-        median = (ranked[lo + (n - 1) // 2] + ranked[lo + n // 2]) / 2
-        last = lo + n - 1
+    for width in np.unique(lengths[ok]):
+        which = np.flatnonzero(ok & (lengths == width))
+        if len(which) == rows and len(mag) == rows * width:  # every row this wide: a view, no gather
+            block = mag.reshape(rows, width)
+        else:
+            block = np.take(mag, (starts[which, None] + np.arange(width)).ravel()).reshape(len(which), width)
+        best = block.argmax(axis=1)
+        peak = block[np.arange(len(which)), best]
+        middle = [(width - 1) // 2, width // 2]
+        block.partition(middle, axis=1)  # in place: the block is a copy, or a view of `mag`, ours
+        median = block[:, middle].mean(axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio[ok] = np.where(median > 0, ranked[last] / median, np.nan)
-        top[ok] = order[last] - lo
+            ratio[which] = np.where(median > 0, peak / median, np.nan)
+        top[which] = best
     return top, ratio
 
 
