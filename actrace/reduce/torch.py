@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from actrace.format import bins
 from actrace.format.schema import MERGE, bounds_for
@@ -247,30 +248,27 @@ def update_norms(now: list[torch.Tensor], before: list[torch.Tensor | None]) -> 
     """‖w − w_before‖ of each parameter (None where there is no before), sharded ones (DTensor)
     from their local shards, their squares added across the mesh; `before` holds local shards."""
     out: list = [None] * len(now)
-    sharded: dict[int, list] = {}
+    groups: dict = {}  # mesh (None: not sharded) -> [mesh, [(index, squared distance, copies)]]
     for i, (w, prev) in enumerate(zip(now, before)):
-        if prev is None:
-            continue
-        local, mesh, copies = _local(w.detach(), "?")
-        sq = torch.linalg.vector_norm(local - prev, dtype=_F64).square()
-        if mesh is None:
-            out[i] = float(sq.sqrt())
-        else:
-            sharded.setdefault(id(mesh), [mesh, []])[1].append((i, sq, copies))
-    import torch.distributed as dist
-
-    for mesh, items in sharded.values():
+        if prev is not None:
+            local, mesh, copies = _local(w.detach(), "?")
+            sq = torch.linalg.vector_norm(local - prev, dtype=_F64).square()
+            groups.setdefault(id(mesh), [mesh, []])[1].append((i, sq, copies))
+    for mesh, items in groups.values():  # one host transfer per group
         flat = torch.stack([sq for _, sq, _ in items])
-        for d in range(mesh.ndim):
-            dist.all_reduce(flat, group=mesh.get_group(d))
+        if mesh is not None:
+            for d in range(mesh.ndim):
+                dist.all_reduce(flat, group=mesh.get_group(d))
         for (i, _, copies), v in zip(items, flat.cpu().tolist()):
             out[i] = math.sqrt(v / copies)
     return out
 
 
-def local_copy(w: torch.Tensor) -> torch.Tensor:
-    """A copy of a parameter's values held here (a sharded one's local shard), for `update_norms`."""
-    return _local(w.detach(), "?")[0].clone()
+def keep(w: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """The parameter's values held here (a sharded one's local shard) copied into `kept`, its copy
+    from the last reading, for `update_norms`; a new copy the first time."""
+    local = _local(w.detach(), "?")[0]
+    return local.clone() if kept is None else kept.copy_(local)
 
 
 def relu_of(source: Pending, layer: str) -> Pending:
@@ -319,8 +317,6 @@ def all_reduce(readings: list[Reading], device: torch.device | None = None, grou
     merge rules (sums and the batch extents add; minima, and maxima as minima of their negatives):
     two collectives per process group (the default: every rank), on `device` (where the group's
     backend wants its tensors)."""
-    import torch.distributed as dist
-
     for op, rules in ((dist.ReduceOp.SUM, ("sum", "concat")), (dist.ReduceOp.MIN, ("min", "max"))):
         parts = [(r, name) for r in readings for name in _FIELDS if MERGE.get(name) in rules
                  and getattr(r, name) is not None and (name != "shape" or r.shape)]

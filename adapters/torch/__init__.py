@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from actrace.record import Recorder, patterns
-from actrace.reduce.torch import layer_readings, local_copy, update_norms
+from actrace.reduce.torch import keep, layer_readings, update_norms
 
 from .forward import ProbeForward
 from .gradients import Gradients
@@ -129,7 +129,8 @@ class Monitor(Recorder):
         keys = [(name, pname) for name, _, pname, _ in params]
         for r, norm in zip(readings, update_norms([p for *_, p in params], [self._previous.get(k) for k in keys])):
             r.update_norm = norm
-        self._previous = {k: local_copy(p) for k, (*_, p) in zip(keys, params)}
+        for k, (*_, p) in zip(keys, params):  # in place: no second copy of the model's weights at once
+            self._previous[k] = keep(p, self._previous.get(k))
         return self.write(step, readings, mode="train")
 
     def step(self, step: int) -> None:
