@@ -68,6 +68,8 @@ def sat_thresholds(bounds: tuple[float, float]) -> list[float]:
     """The threshold of each `sat_counts` count, in its order: a value at or beyond it is counted."""
     lo, hi = bounds
     return [lo + sat_margin(lo, hi, t) if side == "lo" else hi - sat_margin(lo, hi, t) for side, t in SAT_COUNTS]
+
+
 # activation names as frameworks spell them (functions, the core of class names), lower case with
 # only letters and digits, and the kind each one is: every adapter's one table (`activation_kind`)
 _ACTIVATION_NAMES = {
@@ -136,6 +138,7 @@ READING_KEY = ("run", "layer", "stream", "param", "step")  # at most one row eac
 # the columns each minor version added: absent from the files of older minor versions, read as null
 ADDED_IN = {"sat_counts": 1, "value": 2}
 MERGE = {name: rule for name, _, _, rule in COLUMNS}
+
 
 def minor_version(version: str) -> int:
     """The minor number of a `MAJOR.MINOR` spec version (0 where it has none)."""
