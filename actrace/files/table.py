@@ -9,7 +9,7 @@ import pyarrow as pa
 from actrace.reduce import Reading
 from actrace.format.schema import SCHEMA, UNIT_COLUMNS, canonical_kind
 
-_SCALARS = ("layer", "kind", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
+_SCALARS = ("layer", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
             "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value")
 _scalars = operator.attrgetter(*_SCALARS)
 
