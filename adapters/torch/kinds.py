@@ -15,7 +15,7 @@ from actrace.format.schema import ACTIVATION_KINDS, activation_kind, clamp_kind
 from .axes import arg as _arg
 
 _NN_ACTIVATIONS: list[tuple[type, str]] = [
-    (nn.Hardtanh, "clip"), (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
+    (nn.ReLU, "relu"), (nn.LeakyReLU, "leaky_relu"), (nn.RReLU, "leaky_relu"),
     (nn.PReLU, "prelu"), (nn.ELU, "elu"), (nn.CELU, "elu"), (nn.SELU, "selu"), (nn.GELU, "gelu"),
     (nn.SiLU, "silu"), (nn.Mish, "mish"), (nn.Softplus, "softplus"), (nn.Hardswish, "hard_swish"),
     (nn.Tanh, "tanh"), (nn.Softsign, "softsign"), (nn.Sigmoid, "sigmoid"),
@@ -50,6 +50,7 @@ OPAQUE: dict[type, tuple] = {
     **{cls: ((int(cls.__name__[-2]),), None) for cls in _POOL},
     **{cls: (SAME, None) for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)},
     **{cls: (SAME, None) for cls, _ in _NN_ACTIVATIONS if cls is not nn.Softmax},
+    nn.Hardtanh: (SAME, None), nn.ReLU6: (SAME, None),  # clamps, whose kind `module_kind` takes from their bounds
 }
 
 
