@@ -15,6 +15,7 @@ from .compare import align
 from .diff import Diff, diff
 from .findings import Finding, Rules, findings, findings_frame
 from .metrics import Thresholds, from_readings, readings, scalars
+from .signals import series, units
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Analysis:
     metrics: pl.DataFrame     # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more
     runs: list[dict]          # per trace, in the order given: its file metadata and `file`
     scalars: pl.DataFrame     # the training loop's logged values: run, step, name (loss, lr, …), value
+    signals: tuple            # derived readings: analyzer.signals.series and .units (heads, experts)
     rules: Rules = Rules()
     mapping: dict | None = None
     x: str = "step"
@@ -31,7 +33,7 @@ class Analysis:
     @cached_property
     def findings(self) -> list[Finding]:
         """The findings rules over the metrics, most urgent first."""
-        return findings(self.metrics, self.rules, self.runs, self.th, self.scalars)
+        return findings(self.metrics, self.rules, self.runs, self.th, self.scalars, self.signals)
 
     @property
     def findings_frame(self) -> pl.DataFrame:
@@ -79,4 +81,4 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     rows, runs = readings(paths, th, skip_invalid)
-    return Analysis(from_readings(rows, th), runs, scalars(rows), rules, mapping, x, th)
+    return Analysis(from_readings(rows, th), runs, scalars(rows), (series(rows), units(rows)), rules, mapping, x, th)

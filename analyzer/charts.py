@@ -43,10 +43,14 @@ def inline(df: pl.DataFrame) -> alt.InlineData:
     return alt.InlineData(values=df.write_csv(), format=alt.DataFormat(type="csv", parse=parse))
 
 
+LOG_COLUMNS = ("grad_norm", "top_ratio")  # drawn on a logarithmic scale
+TOOLTIPS = {"top_ratio": ["top_unit:Q"]}  # what a cell's tooltip says besides its value
+
+
 def _plottable(df: pl.DataFrame, column: str) -> pl.DataFrame:
     """Rows a chart can draw: non-null, and finite and positive where the scale is logarithmic."""
     keep = pl.col(column).is_not_null()
-    if column == "grad_norm":
+    if column in LOG_COLUMNS:
         keep &= pl.col(column).is_finite() & (pl.col(column) > 0)
     return df.filter(keep)
 
@@ -54,7 +58,7 @@ def _plottable(df: pl.DataFrame, column: str) -> pl.DataFrame:
 def _drawable(column: str):
     """The same test in the chart, for data shared by charts of several columns."""
     valid = f"isValid(datum['{column}']) && isFinite(datum['{column}'])"
-    return valid + (f" && datum['{column}'] > 0" if column == "grad_norm" else "")
+    return valid + (f" && datum['{column}'] > 0" if column in LOG_COLUMNS else "")
 
 
 def _layer_axis(n_layers: int, sort) -> alt.Y:
@@ -78,14 +82,14 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
     for column, title, colour, why in metrics:
         if column not in df.columns or df[column].is_null().all():
             continue
-        log = column == "grad_norm"
+        log = column in LOG_COLUMNS
         data = _plottable(df, column)
         scale = alt.Scale(type="log", scheme="blues") if log else alt.Scale(domain=[0, 1], range=["#f7f7f7", colour])
         rects = alt.Chart().mark_rect().encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=_layer_axis(n_layers, order),
             color=alt.Color(f"{column}:Q", title=title, scale=scale),
-            tooltip=["layer:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g")],
+            tooltip=["layer:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g"), *TOOLTIPS.get(column, [])],
         ).transform_filter(alt.datum.run == run).transform_filter(_drawable(column))
         drawn = set(data["run"])
         empty = [r for r in runs if r not in drawn]
@@ -93,7 +97,8 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
             "run": pl.String, "note": pl.String})).mark_text(fontSize=12, color="#666", lineBreak="|").encode(
             text="note:N", x=alt.value(130), y=alt.value(height / 2)).transform_filter(alt.datum.run == run)
         charts.append(alt.layer(rects, note).properties(title=title, width=260, height=height))
-    columns = ["run", "layer", "step"] + [c for c, *_ in metrics if c in df.columns]
+    shown = [c for c, *_ in metrics if c in df.columns]
+    columns = ["run", "layer", "step"] + shown + [t.split(":")[0] for c in shown for t in TOOLTIPS.get(c, [])]
     return alt.hconcat(*charts, data=inline(df.select(columns))).add_params(run).resolve_scale(color="independent")
 
 

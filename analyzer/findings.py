@@ -59,6 +59,12 @@ class Rules:
     massive_ratio: float = 100.0     # a unit's max |h| this many times the median unit's (Sun et al. 2024
     #                                  find ~1000x in trained LLMs; a random init stays under 10x) ...
     massive_readings: int = 3        # ... the same unit at this many consecutive readings, the last included
+    entropy_collapse: float = 0.1    # a layer's mean head entropy (over its maximum, ln keys) below this: its
+    #                                  heads near one-hot on every query (random init reads ~1)
+    logit_limit: float = 50.0        # the largest attention logit above this (softmax then one-hot to e^-50) ...
+    logit_growth: float = 5.0        # ... and this many times its first reading, still rising
+    log_z_rise: float = 20.0         # the LM head's mean log Z this many nats above its first reading, still rising
+    expert_tokens: float = 5.0       # an expert with no token, where the router's experts average this many
 
 
 @dataclass
@@ -109,6 +115,13 @@ ADVICE = {
     "massive_activation": "a few fixed units carry values far above the rest (outlier features, attention sinks): "
                           "they dominate the layer's norm and break low-precision quantization; watch them against "
                           "the loss, consider QK-norm, weight decay, or an explicit attention sink",
+    "attention_entropy_collapse": "attention heads put all their mass on one key (entropy collapse, often with "
+                                  "growing logits): normalize queries and keys (QK-norm), lower the LR, or warm up longer",
+    "attention_logit_growth": "attention logits keep growing, a precursor of loss divergence in large transformers: "
+                              "QK-norm or QK-clip, a lower LR, weight decay on the query and key projections",
+    "logit_divergence": "the output logits' log-partition (log Z) drifts up: add a z-loss (1e-4 · log²Z), lower the LR",
+    "dead_expert": "an expert no probe token reaches stops learning: raise the router's load-balancing loss, add "
+                   "router noise or a capacity limit, or re-initialize that expert's router weights",
     "scaler_skipped": "the loss scaler skipped these updates and lowered its scale: normal now and then under "
                       "mixed precision; often in a row, lower the LR or the initial scale",
 }
@@ -292,6 +305,73 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 f"{steps[-1]}, beyond {r.mean_drift_sigmas:g} std since step {start}",
                                 score=abs(mean[-1]) / std[-1], value=abs(mean[-1]) / std[-1],
                                 threshold=r.mean_drift_sigmas, first=start, last=steps[-1], index=index))
+    return out
+
+
+def _streams(frame: pl.DataFrame, kind: str, *values: pl.Expr):
+    """(run, layer, layer_index, steps, value arrays) of each derived reading of `kind`, per step
+    the `values` aggregated over its units (heads, experts)."""
+    g = frame.filter(pl.col("kind") == kind).group_by("run", "layer", "layer_index", "step").agg(*values)
+    for (run, layer, index), rows in g.sort("run", "layer_index", "layer", "step").group_by(
+            "run", "layer", "layer_index", maintain_order=True):
+        yield run, layer, index, rows["step"].to_numpy(), rows
+
+
+def _rising(steps: np.ndarray, v: np.ndarray) -> bool:
+    start = recent(steps)
+    return len(v) >= 3 and theil_sen(steps[start:], v[start:]) > 0
+
+
+def _signal_findings(series: pl.DataFrame, units: pl.DataFrame, r: Rules) -> list[Finding]:
+    """The rules of derived readings (spec §Findings): attention entropy collapse and logit growth
+    per layer, a drifting log Z of the LM head, an expert no token reaches."""
+    out = []
+    for run, layer, index, steps, g in _streams(units, "attention_entropy", pl.col("mean").mean().alias("v"),
+                                                pl.col("unit").filter(pl.col("mean") < r.entropy_collapse).alias("low"),
+                                                pl.len().alias("heads")):
+        v = g["v"].to_numpy()
+        since = held_since(v < r.entropy_collapse, 1.0)
+        if since is not None:
+            low = g["low"][-1].sort().to_list()
+            out.append(_finding("warning", "attention_entropy_collapse", run, layer, steps[since],
+                                f"mean head entropy {v[-1]:.3f} of its maximum at step {steps[-1]} (from {v[0]:.2f} at "
+                                f"step {steps[0]}), below {r.entropy_collapse:g} since step {steps[since]}; "
+                                f"{len(low)} of {g['heads'][-1]} heads below it: {', '.join(map(str, low[:16]))}",
+                                score=1 - v[-1], value=v[-1], threshold=r.entropy_collapse, first=steps[since],
+                                last=steps[-1], index=index))
+    for run, layer, index, steps, g in _streams(units, "attention_logit", pl.col("max").max().alias("v"),
+                                                pl.col("unit").sort_by("max").last().alias("head")):
+        v = g["v"].to_numpy()
+        grown = (v >= r.logit_limit) & (v >= r.logit_growth * v[0]) if v[0] > 0 else np.zeros(len(v), bool)
+        since = held_since(grown, 1.0)
+        if since is not None and _rising(steps, v):
+            out.append(_finding("warning", "attention_logit_growth", run, layer, steps[since],
+                                f"max attention logit {v[-1]:.3g} (head {g['head'][-1]}) at step {steps[-1]}, "
+                                f"{v[-1] / v[0]:.1f}× its {v[0]:.3g} at step {steps[0]} and still rising; above "
+                                f"{r.logit_limit:g} and {r.logit_growth:g}× since step {steps[since]}",
+                                score=v[-1] / v[0], value=v[-1], threshold=r.logit_limit, first=steps[since],
+                                last=steps[-1], index=index))
+    for run, layer, index, steps, g in _streams(series, "log_z", pl.col("mean").first().alias("v")):
+        v = g["v"].to_numpy()
+        since = held_since(v - v[0] >= r.log_z_rise, 1.0)
+        if since is not None and _rising(steps, v):
+            out.append(_finding("warning", "logit_divergence", run, layer, steps[since],
+                                f"mean log Z {v[-1]:.3g} at step {steps[-1]}, {v[-1] - v[0]:.3g} nats above its "
+                                f"{v[0]:.3g} at step {steps[0]} and still rising; {r.log_z_rise:g} above since step "
+                                f"{steps[since]}", score=v[-1] - v[0], value=v[-1] - v[0], threshold=r.log_z_rise,
+                                first=steps[since], last=steps[-1], index=index))
+    for run, layer, index, steps, g in _streams(units, "expert_load", (pl.col("mean") * pl.col("count")).alias("tokens"),
+                                                pl.col("unit").alias("expert")):
+        tokens = np.vstack(g["tokens"].to_numpy())  # [step, expert]
+        if tokens.mean(1)[-1] < r.expert_tokens:
+            continue  # too few probe tokens per expert to tell
+        for e in np.flatnonzero(tokens[-1] == 0):
+            since = held_since(tokens[:, e] == 0, 1.0)
+            out.append(_finding("warning", "dead_expert", run, layer, steps[since],
+                                f"expert {g['expert'][-1][int(e)]} got no probe token at step {steps[-1]} (the others "
+                                f"{int(np.delete(tokens[-1], e).min())} to {int(tokens[-1].max())}), none since step "
+                                f"{steps[since]}", score=tokens.mean(1)[-1], value=0, threshold=r.expert_tokens,
+                                first=steps[since], last=steps[-1], index=index))
     return out
 
 
@@ -508,14 +588,15 @@ def status_findings(runs: list[dict]) -> list[Finding]:
 
 
 def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = (),
-             th: Thresholds = Thresholds(), scalars: pl.DataFrame | None = None) -> list[Finding]:
-    """All findings over a metrics frame (computed at thresholds `th`) and the runs' logged scalars
-    (the loss), most urgent first."""
+             th: Thresholds = Thresholds(), scalars: pl.DataFrame | None = None, signals=None) -> list[Finding]:
+    """All findings over a metrics frame (computed at thresholds `th`), the runs' logged scalars
+    (the loss) and their derived readings (`signals`: `analyzer.signals` series and units), most
+    urgent first."""
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
     m = m.filter(~skipped)
     found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
-    found += status_findings(list(runs))
+    found += status_findings(list(runs)) + (_signal_findings(*signals, rules) if signals is not None else [])
     # a NaN first: nothing else in a NaN run can be trusted
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
 

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from actrace.format import bins
 from actrace.files.reader import TraceError, read_source, trace_sources
-from actrace.format.schema import (KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS,
+from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS,
                                    minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
 
@@ -28,7 +28,7 @@ EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "
                  "top_ratio"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
-         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value"]
+         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count"]
 _TOL = 1e-12
 
 
@@ -209,18 +209,26 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
 
 
 _BOUNDED_ONLY = ("unit_min_dev", "hist", "sat_counts")  # read only from files with bounded layers
+_PER_UNIT = ("unit_sum", "unit_count")  # read only from files with per-head or per-expert readings
+UNIT_LISTS = ("unit_sum", "unit_count", "unit_min", "unit_max")  # kept in the rows of those readings only
 
 
 def _bounded(t: pa.Table) -> bool:
     return t["bound_lo"].null_count < len(t)
 
 
+def _per_unit(t: pa.Table) -> pa.Array:
+    return pc.is_in(t["kind"], pa.array(PER_UNIT_KINDS))
+
+
 def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
     layers, what saturation needs); its metadata. The columns read are checked first (spec
     §Validity): a trace that breaks a rule they fall under is refused, naming the file and the rule."""
-    table, meta = read_source(source, _READ, when=(_BOUNDED_ONLY, _bounded))
-    read = set(_READ) if _bounded(table) else set(_READ) - set(_BOUNDED_ONLY)
+    table, meta = read_source(source, _READ, when=[(_BOUNDED_ONLY, _bounded),
+                                                   (_PER_UNIT, lambda t: pc.any(_per_unit(t)).as_py())])
+    read = set(_READ) - (set() if _bounded(table) else set(_BOUNDED_ONLY)) \
+        - (set() if pc.any(_per_unit(table)).as_py() else set(_PER_UNIT))
     newer = minor_version(meta["spec_version"]) > minor_version(SPEC_VERSION)
     problems = metadata_problems(meta, source) + row_problems(table, source, read=read, newer_minor=newer)
     problems = problems or run_problems(table, meta, source)
@@ -232,7 +240,11 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
         table = table.set_column(table.column_names.index("kind"), "kind", pc.if_else(
             pc.is_in(table["kind"], pa.array(list(KINDS))), table["kind"], "other"))
     counts = unit_counts(table, th)
-    table = table.drop_columns(["unit_min", "unit_max", "unit_min_dev"])
+    keep = _per_unit(table)  # the per-unit lists of heads and experts stay: few rows, read one by one
+    for name in UNIT_LISTS:
+        table = table.set_column(table.column_names.index(name), name,
+                                 pc.if_else(keep, table[name], pa.nulls(len(table), table[name].type)))
+    table = table.drop_columns(["unit_min_dev"])
     df = pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
     unique = df.unique(subset=list(READING_KEY), keep="last", maintain_order=True)
     if unique.height < df.height:  # spec §Validity: one reading per key; the last written stands
@@ -268,7 +280,7 @@ def readings(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.Data
 
 def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
     """Per (run, layer, stream, step) metrics of reduced readings, sorted for reading."""
-    lf = rows.lazy()
+    lf = rows.lazy().filter(~pl.col("kind").is_in(DERIVED_KINDS))  # signals of their own (analyzer.signals)
     bound_pairs = lf.select("kind", "bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
     act = activation_metrics(lf, th, bound_pairs)
     par = parameter_metrics(lf)

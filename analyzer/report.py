@@ -180,19 +180,23 @@ def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
     a = analysis.aligned
     acts = _thin_steps(a.filter(pl.col("stream") == "activation"), c.heat_steps)
     grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), c.heat_steps)
-    heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value")
+    heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value", "top_ratio",
+                       "top_unit")
     if grads.height:  # one row per (run, layer, step), its three numbers side by side
         heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm"),
                          on=["run", "layer", "layer_index", "step"], how="full", coalesce=True, maintain_order="left")
     if not heat.height:
         return None
     return Section("heatmaps", "Layers × steps", "Per run (menu, or a click on the overview): dead fraction, saturated "
-                   "share of values and gradient norm for every layer and step. Layers run from input (top) to output.",
+                   "share of values, gradient norm, and how far the largest unit stands above the median unit (the "
+                   "same unit far above at every step is a massive activation; the tooltip names it) for every layer "
+                   "and step. Layers run from input (top) to output.",
                    charts.layer_heatmaps(_compact(heat), [
                        ("dead_fraction", "dead fraction", "#b2182b", "no activation readings in this run"),
                        ("saturation_value", "saturation (values)", "#d94801",
                         "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
-                       ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)")],
+                       ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)"),
+                       ("top_ratio", "largest unit ÷ median unit", "", "no layer of 8 units or more in this run")],
                        c.menu_runs, default_run=c.focus.run if c.focus else c.baseline))
 
 
@@ -213,6 +217,30 @@ def _recurrent(analysis: Analysis, c: Choice) -> Section | None:
                        ("saturation_value", "saturation (values)", "#d94801", "no recurrent layer in this run"),
                        ("saturation_unit", "units pinned for every input", "#7f2704", "no recurrent layer in this run")],
                        c.menu_runs, default_run=default, menu="recurrent_run"))
+
+
+def _heads(analysis: Analysis, c: Choice) -> Section | None:
+    """Per attention head and step (spec §Derived readings): how peaked its distributions are
+    (1 − mean entropy) and its mass on the first key, heads of one layer together, in depth order."""
+    u = analysis.signals[1].filter(pl.col("kind").is_in(["attention_entropy", "attention_sink"]))
+    if not u.height:
+        return None
+    u = u.with_columns(pl.col("layer").str.replace(r"\.attention_(entropy|sink)(#\d+)?$", "${2}").alias("scope"))
+    entropy, sink = (u.filter(pl.col("kind") == k).select("run", "scope", "unit", "step", pl.col("layer_index"),
+                                                          pl.col("mean").alias(k)) for k in ("attention_entropy",
+                                                                                               "attention_sink"))
+    heads = entropy.join(sink.drop("layer_index"), on=["run", "scope", "unit", "step"], how="left").select(
+        "run", (pl.col("scope") + " · head " + pl.col("unit").cast(pl.String)).alias("layer"),
+        (pl.col("layer_index").cast(pl.Int64) * 4096 + pl.col("unit")).alias("layer_index"), "step",
+        (1 - pl.col("attention_entropy")).alias("peaked"), pl.col("attention_sink").alias("sink"))
+    default = next((f.run for f in analysis.findings if f.rule.startswith("attention_")), c.baseline)
+    return Section("heads", "Attention heads × steps", "Per run (menu): every attention head on the probe, recomputed "
+                   "unfused whatever the kernel. Peakedness is 1 − its entropy over the most it could be: 0 spreads "
+                   "evenly, 1 puts everything on one key (entropy collapse); the first-key mass is the attention sink.",
+                   charts.layer_heatmaps(_compact(_thin_steps(heads, c.heat_steps)), [
+                       ("peaked", "peakedness (1 − entropy)", "#6a3d9a", "no attention readings in this run"),
+                       ("sink", "mass on the first key", "#1f78b4", "no attention readings in this run")],
+                       c.menu_runs, default_run=default, menu="heads_run"))
 
 
 def _trends(analysis: Analysis, c: Choice) -> Section | None:
@@ -269,7 +297,8 @@ def _histogram(analysis: Analysis, c: Choice) -> Section | None:
 
 
 SECTIONS = [("drawing the overview", _overview), ("drawing the loss", _loss), ("drawing heatmaps", _heatmaps),
-            ("drawing recurrent layers", _recurrent), ("drawing every run", _multiples), ("drawing trends", _trends),
+            ("drawing recurrent layers", _recurrent), ("drawing attention heads", _heads),
+            ("drawing every run", _multiples), ("drawing trends", _trends),
             ("drawing the gradient profile", _profile), ("reading histograms", _histogram)]
 
 
@@ -301,7 +330,7 @@ def assemble(analysis: Analysis, c: Choice, sections: list[Section]) -> str:
     body = [page.findings_table(found, c.search) if len(group(found)) <= 30 else
             f"<details><summary>All findings ({len(group(found))} groups of rule and run)</summary>"
             f"{page.findings_table(found, c.search)}</details>"]
-    body += [html_of[k] for k in ("loss", "heatmaps", "recurrent") if k in html_of]
+    body += [html_of[k] for k in ("loss", "heatmaps", "recurrent", "heads") if k in html_of]
     body.append(page.diff_view(texts, c.baseline, chosen))
     body += [html_of[k] for k in ("multiples", "trends", "profile", "histogram") if k in html_of]
     runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",

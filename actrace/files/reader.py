@@ -93,12 +93,13 @@ def _read(pf: pq.ParquetFile, path: Path, columns: list[str]) -> pa.Table:
 
 
 def read_source(source: Path, columns: list[str] | None = None, *, when=None) -> tuple[pa.Table, dict[str, str]]:
-    """One trace source as an Arrow table of spec columns, plus its file metadata. `when` is
-    (names, needed): those columns are read from a file only where `needed(table of the other
+    """One trace source as an Arrow table of spec columns, plus its file metadata. `when` is a list
+    of (names, needed): those columns are read from a file only where `needed(table of the other
     columns)` is true, and are null elsewhere, so a reader pays for them only where they matter.
     Every part file's schema is checked first (`checked`); the parts of a `.parts` directory must be
     one run's; a directory compacted while it is read is read from its compacted trace."""
-    lazy, needed = when or ((), None)
+    when = list(when or ())
+    lazy = {name for names, _ in when for name in names}
     want = [c for c in SCHEMA.names if columns is None or c in columns]
     tables, meta, run_id = [], {}, None
     try:
@@ -112,8 +113,9 @@ def read_source(source: Path, columns: list[str] | None = None, *, when=None) ->
             run_id = meta.get("run_id")
             present = set(pf.schema_arrow.names)
             table = _read(pf, f, [c for c in want if c in present and c not in lazy])
-            if lazy and needed(table):
-                extra = _read(pf, f, [c for c in want if c in present and c in lazy])
+            extra = {c for names, needed in when if needed(table) for c in names}
+            if extra:
+                extra = _read(pf, f, [c for c in want if c in present and c in extra])
                 for name in extra.column_names:
                     table = table.append_column(extra.schema.field(name), extra[name])
             for name in want:  # not asked for here, or a column an older minor version lacks: null

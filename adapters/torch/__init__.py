@@ -40,7 +40,9 @@ class Monitor(Recorder):
     `include`/`exclude` are glob patterns on reading names (`layers.*.mlp.act`); `types` keeps
     only modules of those classes; `unit_axes` maps name patterns to a unit axis, over what the
     trace finds (except a softmax's, which is the axis it normalizes); `scaler` is the
-    `torch.amp.GradScaler` whose scale the gradients carry. `grad_every=None` reads no gradients
+    `torch.amp.GradScaler` whose scale the gradients carry; `logits` names (globs on module paths) the
+    modules whose output is vocabulary logits, read per position (log Z, max logit) besides a Hugging
+    Face model's own output embeddings. `grad_every=None` reads no gradients
     (probe readings of checkpoints); otherwise a run that closes without any gradient reading says
     so, and its trace's status is `incomplete`.
     """
@@ -51,12 +53,12 @@ class Monitor(Recorder):
                  param_every: int | None = None, run: str | None = None, config: dict | None = None, include=None,
                  exclude=None, types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
-                 overwrite: bool | None = None, flush_every: int = 4096, scaler=None):
+                 overwrite: bool | None = None, flush_every: int = 4096, scaler=None, logits=None):
         self.model, self.inner = model, unwrap(model)
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
-                                    histogram, probe_chunk, self.rank, self.world)
+                                    histogram, probe_chunk, self.rank, self.world, patterns(logits))
         self.split = _tensor_parallel(self.inner)
         if self.split and self.rank == 0:
             warnings.warn("actrace: a tensor-parallel model: each rank holds a slice of its layers' units, which "

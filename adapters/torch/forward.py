@@ -25,10 +25,10 @@ class ProbeForward:
     (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
 
     def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
-                 chunk: int | None, rank: int = 0, world: int = 1):
+                 chunk: int | None, rank: int = 0, world: int = 1, heads=()):
         self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
         self.histogram, self.chunk, self.rank, self.world = histogram, chunk, rank, world
-        self.trace = ForwardTrace(model, self._read, wanted)
+        self.trace = ForwardTrace(model, self._read, wanted, heads)
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, Pending]] = []
 
@@ -41,11 +41,13 @@ class ProbeForward:
         return out.axis
 
     def floating(self, out: Output) -> bool:
-        """Whether the output can be read: a plain floating tensor (else said once per name)."""
+        """Whether the output can be read: a plain floating tensor holding values (else said once per name)."""
         if type(out.tensor) not in (torch.Tensor, nn.Parameter) and not out.tensor.is_nested:
             why = f"a {type(out.tensor).__name__} is not read"  # a tensor subclass (DTensor): not all its values here
         elif not out.tensor.is_floating_point():
             why = f"non-float output ({out.tensor.dtype})"
+        elif not out.tensor.numel():
+            why = "an empty output (an expert no probe token reached?) holds no value"
         else:
             return True
         if out.name not in self.warned:
@@ -102,7 +104,7 @@ class ProbeForward:
         def note(o: Output) -> None:
             seen.append((o, _signature(o.tensor)))
             o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
-        trace = ForwardTrace(self.model, note, self.wanted)
+        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads])
         for _ in range(2):
             seen.clear()
             try:

@@ -91,3 +91,17 @@ def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[floa
         return clamp_kind(lo, hi) if numbers else None  # a clamp to tensors is elementwise: a guard
     kind = activation_kind(base)
     return (kind, None) if kind else None
+
+
+# a module that routes tokens to experts: the scope of a router's top-k (spec §Derived readings)
+_ROUTER_ATTRS = ("top_k", "num_experts", "num_experts_per_tok", "num_local_experts", "n_experts", "n_routed_experts")
+_ROUTER_NAME = re.compile(r"router|gate|gating|moe|expert", re.IGNORECASE)
+
+
+def routes(module: nn.Module | None, path: str) -> bool:
+    """Whether a top-k inside `module` is a router choosing experts: the module holds a router's
+    setting (`top_k`, `num_experts`, ...) or its class or last path segment says router or gate."""
+    if module is None:
+        return False
+    return any(hasattr(module, a) for a in _ROUTER_ATTRS) or bool(
+        _ROUTER_NAME.search(type(module).__name__) or _ROUTER_NAME.search(path.rsplit(".", 1)[-1]))

@@ -10,12 +10,16 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   Face's `GELUActivation`) takes that reading under its own path;
 - a recurrent module (`nn.RNN`, `nn.LSTM`, `nn.GRU`) is read per layer and direction, gates
   included (`_torch_recurrent`), in a probe forward; in a forward with gradients, at its outputs;
+- in a probe forward, derived readings (`_torch_derived`, spec §Derived readings) under the scope
+  they are computed in: per head of every attention (SDPA, a 4-D softmax over keys,
+  `nn.MultiheadAttention`), per position of the LM head, per expert of a router's top-k;
 - repeated names in one forward get `#2`, `#3`, ...
 Each tensor is read the moment it is made, before any in-place change. Unit axes come from
 `_torch_axes.Axes`.
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, fields, is_dataclass
 
 import torch
@@ -24,8 +28,11 @@ from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from .axes import LOST, Axes, op_name
-from .kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind
+from actrace.format.schema import PER_UNIT_KINDS
+
+from . import derived
+from .axes import LOST, Axes, arg, op_name
+from .kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind, routes
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
 from .recurrent import readings as recurrent_readings
@@ -103,7 +110,7 @@ class ForwardTrace(TorchFunctionMode):
     so they are the model's whatever the selection. A reading a wrapper module takes over after
     the sink saw it is renamed in place (`Output.name`), or set to None when not selected."""
 
-    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True):
+    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True, heads=()):
         super().__init__()
         self.sink, self.wanted = sink, wanted
         # modules that compute a parameter (`parametrize`, weight_norm): run untraced, never read
@@ -112,6 +119,7 @@ class ForwardTrace(TorchFunctionMode):
         self.paths = {m: module_path(n) for n, m in model.named_modules() if m not in inside}
         self.kinds = {m: module_kind(m) for m in self.paths}
         self.leaves = {m for m in self.paths if not any(True for _ in m.children())}
+        self.heads = output_heads(model, self.paths, heads)
         self.axes = Axes()
         self.stack: list[_Frame] = []
         self.calls: dict[str, int] = {}
@@ -152,6 +160,8 @@ class ForwardTrace(TorchFunctionMode):
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
                 self._functional(frame, *found, out)
+            if not torch.is_grad_enabled() and frame is not None:
+                self._derived_of_call(frame, name, args, kwargs, out)
         finally:
             self._busy = False
         return out
@@ -185,6 +195,28 @@ class ForwardTrace(TorchFunctionMode):
             if wrapper:
                 self._settle_last(frame)
                 frame.last = (out, read, own)
+
+    def _derived_of_call(self, frame: _Frame, name: str, args, kwargs, out) -> None:
+        """Derived readings of an attention's scores (SDPA; a softmax over the last axis of `[B, H,
+        Q, K]`, whose input they are) and of a router's top-k, under the scope they run in."""
+        if name == "scaled_dot_product_attention":
+            self._derive(frame.path, frame.module, derived.ATTENTION,
+                         lambda: derived.attention(derived.sdpa_logits(args, kwargs)))
+        elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3):
+            self._derive(frame.path, frame.module, derived.ATTENTION, lambda: derived.attention(args[0]))
+        elif name == "topk" and routes(frame.module, frame.path):
+            self._derive(frame.path, frame.module, derived.ROUTER, lambda: derived.routing(args, kwargs))
+
+    def _derive(self, scope: str, module, kinds: tuple[str, ...], compute) -> None:
+        """Sink the derived readings `compute()` gives (kind → tensor, or None), named `SCOPE.KIND`,
+        computed only when one of them is selected."""
+        names = {kind: self._name(f"{scope}.{kind}" if scope else kind) for kind in kinds}
+        if not any(self.wanted(n, module) for n in names.values()):
+            return
+        for kind, t in (compute() or {}).items():
+            if t.numel() and self.wanted(names[kind], module):
+                self.axes.set(t, 0 if kind in PER_UNIT_KINDS else None)
+                self._sink(names[kind], kind, None, t, module)
 
     @staticmethod
     def _settle_last(frame: _Frame) -> None:
@@ -247,10 +279,18 @@ class ForwardTrace(TorchFunctionMode):
             self._opaque_output(frame, inputs, output)
         self._busy = True
         try:
-            if type(module) in RECURRENT and not torch.is_grad_enabled() and isinstance(output, tuple):
+            probe = not torch.is_grad_enabled()
+            if type(module) in RECURRENT and probe and isinstance(output, tuple):
                 self._recurrent(frame, inputs, kwargs, output)
             else:
                 self._module_output(frame, output)
+            if probe and isinstance(module, torch.nn.MultiheadAttention):
+                self._derive(frame.path, module, derived.ATTENTION,
+                             lambda: derived.attention(derived.mha_logits(module, inputs, kwargs)))
+            logits = next((t for _, t in output_tensors(output) if t.is_floating_point()), None) \
+                if probe and module in self.heads else None
+            if logits is not None:
+                self._derive(frame.path, module, derived.LOGITS, lambda: derived.output_logits(logits))
         finally:
             self._busy = False
 
@@ -300,6 +340,18 @@ class ForwardTrace(TorchFunctionMode):
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
+
+
+def output_heads(model: torch.nn.Module, paths: dict, patterns) -> set:
+    """The modules whose output is the model's vocabulary logits: those `patterns` name (globs on
+    module paths), and a Hugging Face model's own (`get_output_embeddings()`)."""
+    heads = {m for m, path in paths.items() if any(fnmatch.fnmatchcase(path, p) for p in patterns)}
+    own = getattr(model, "get_output_embeddings", None)
+    try:
+        head = own() if callable(own) else None
+    except (AttributeError, NotImplementedError):  # a model class that declares none
+        head = None
+    return heads | ({head} if isinstance(head, torch.nn.Module) and head in paths else set())
 
 
 def own_parameters(module: torch.nn.Module):

@@ -1,0 +1,317 @@
+"""Derived readings (spec §Derived readings) by construction: attention per head from each attention
+implementation, the LM head's log Z per position, a router's tokens per expert, against values the
+models themselves compute or that are known by how the weights were set."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from actrace.adapters.torch import Monitor
+from actrace.adapters.torch.derived import attention
+from actrace.files.reader import read_table
+
+DERIVED = ["attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit", "expert_load",
+           "router_prob", "router_entropy"]
+
+
+def record(model, probe, out, steps=1, **kw) -> pl.DataFrame:
+    """The derived readings of `steps` probe readings of `model`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unit axes the trace cannot follow: said, not the point here
+        with Monitor(model, probe, out, grad_every=None, **kw) as mon:
+            for step in range(steps):
+                mon.probe_reading(step)
+    return pl.from_arrow(read_table(out)).filter(pl.col("kind").is_in(DERIVED))
+
+
+def per_unit(rows: pl.DataFrame, layer: str, column: str = "mean", step: int = 0) -> np.ndarray:
+    """Per unit (head, expert) of one reading: the mean (unit_sum / unit_count), min or max."""
+    r = rows.filter((pl.col("layer") == layer) & (pl.col("step") == step)).row(0, named=True)
+    if column == "mean":
+        return np.asarray(r["unit_sum"]) / np.asarray(r["unit_count"])
+    return np.asarray(r[f"unit_{column}"], dtype=np.float64)
+
+
+def test_the_per_head_numbers_of_known_scores():
+    """Head 0 one-hot on key 1 (entropy 0, no mass on the first key), head 1 uniform over 4 keys
+    (entropy 1, mass 1/4 on the first), a masked key left out of every number."""
+    logits = torch.zeros(1, 2, 1, 5)
+    logits[0, 0, 0, 1] = 1000.0
+    logits[..., 4] = -math.inf
+    got = attention(logits)
+    assert got["attention_logit"].shape == (2, 4) and got["attention_logit"].amax(1).tolist() == [1000.0, 0.0]
+    assert got["attention_entropy"][:, 0].tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
+    assert got["attention_sink"][:, 0].tolist() == pytest.approx([0.0, 0.25])
+    additive = torch.zeros(1, 1, 2, 3)
+    additive[0, 0, 0, 1:] = torch.finfo(torch.float32).min  # query 0 sees key 0 only: no entropy, all mass on it
+    got = attention(additive)
+    assert got["attention_entropy"].shape == (1, 1) and got["attention_sink"][0].tolist() == pytest.approx([1.0, 1 / 3])
+
+
+def llama(impl):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation=impl))
+
+
+def gpt2(impl):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                attn_implementation=impl))
+
+
+def bert(impl):
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        attn_implementation=impl))
+
+
+def mixtral(impl):
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation=impl))
+
+
+def sharpen(model):
+    """Scale the query and key weights of the second layer ×100: its heads' scores grow ×10⁴, so each
+    query puts nearly all its mass on one key (entropy ≈ 0); the first layer stays as it was."""
+    for name, p in model.named_parameters():
+        if ".1." in name and name.endswith(("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")):
+            p.data *= 100
+        elif ".1." in name and name.endswith("c_attn.weight"):  # GPT-2's fused q, k, v columns
+            p.data[:, : 2 * p.shape[0]] *= 100
+
+
+BUILDERS = {"llama": llama, "gpt2": gpt2, "bert": bert, "mixtral": mixtral}
+
+
+def attention_layers(rows: pl.DataFrame, kind: str) -> list[str]:
+    return sorted(rows.filter(pl.col("kind") == kind)["layer"].unique())
+
+
+@pytest.mark.parametrize("family", BUILDERS, ids=BUILDERS)
+def test_eager_and_sdpa_attention_read_the_same_heads_and_a_sharpened_layer_reads_one_hot(tmp_path, family):
+    """The same weights under eager and SDPA attention, a padded probe: every per-head number agrees;
+    the layer whose q/k were scaled reads entropy ≈ 0 in every head, the other ≈ 1 (random init)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, 7:] = 0
+    probe = {"input_ids": ids, "attention_mask": mask}
+    got = {}
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(1)
+        model = BUILDERS[family](impl)
+        sharpen(model)
+        got[impl] = record(model, probe, tmp_path / f"{impl}.parquet")
+    eager, sdpa = got["eager"], got["sdpa"]
+    layers = attention_layers(eager, "attention_entropy")
+    assert len(layers) == 2 and layers == attention_layers(sdpa, "attention_entropy")
+    for kind in ("attention_logit", "attention_entropy", "attention_sink"):
+        for layer in attention_layers(eager, kind):
+            for column in ("mean", "min", "max"):
+                np.testing.assert_allclose(per_unit(eager, layer, column), per_unit(sdpa, layer, column),
+                                           rtol=1e-4, atol=1e-5)
+    first, second = (per_unit(eager, layer) for layer in layers)
+    assert first.min() > 0.95 and second.max() < 0.1 and len(second) == 4
+    logit = attention_layers(eager, "attention_logit")
+    assert per_unit(eager, logit[1], "max").min() > 10 * per_unit(eager, logit[0], "max").max()
+
+
+def test_the_lm_head_reads_log_z_and_max_logit_per_position_as_the_model_computes_them(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2("sdpa").eval()
+    ids = torch.randint(0, 64, (3, 10))
+    rows = record(model, ids, tmp_path / "g.parquet")
+    with torch.no_grad():
+        logits = model(ids).logits.double()
+    log_z, peak = torch.logsumexp(logits, -1).reshape(-1), logits.amax(-1).reshape(-1)
+    for kind, truth in (("log_z", log_z), ("max_logit", peak)):
+        r = rows.filter(pl.col("kind") == kind).row(0, named=True)
+        assert r["layer"] == f"lm_head.{kind}" and r["count"] == 30 and r["units"] == 1
+        assert r["sum"] == pytest.approx(float(truth.sum()), rel=1e-5)
+        assert (r["min"], r["max"]) == pytest.approx((float(truth.min()), float(truth.max())), rel=1e-5)
+
+
+def test_multihead_attention_reads_its_heads_as_its_own_weights_say_masks_honoured(tmp_path):
+    """nn.MultiheadAttention on its fast path (eval, no_grad): per-head entropy and first-key mass
+    equal those of the weights the module itself returns, under a causal and a padding mask."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+
+        def forward(self, x, padding):
+            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+            return self.attn(x, x, x, attn_mask=causal, key_padding_mask=padding, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(2, 6, 16)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    rows = record(block, (x, padding), tmp_path / "m.parquet")
+    with torch.no_grad():
+        causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        w = block.attn(x, x, x, attn_mask=causal, key_padding_mask=padding, average_attn_weights=False)[1]
+    keys = (~causal)[None] & ~padding[:, None, :]  # [B, Q, K]
+    n = keys.sum(-1)
+    entropy = torch.special.entr(w.double()).sum(-1) / n.clamp(min=2).log()[:, None]  # [B, H, Q]
+    wide = (n >= 2)[:, None].expand_as(entropy)
+    want = [float(entropy[:, h][wide[:, h]].mean()) for h in range(4)]
+    np.testing.assert_allclose(per_unit(rows, "attn.attention_entropy"), want, rtol=1e-5)
+    np.testing.assert_allclose(per_unit(rows, "attn.attention_sink"), w[..., 0].double().mean((0, 2)), rtol=1e-5)
+
+
+class Router(nn.Module):
+    """A hand-written top-2 router over 4 experts; expert 3's bias far negative: it never wins."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        with torch.no_grad():
+            self.gate.bias[3] = -1e4
+
+    def forward(self, x):
+        weights, chosen = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (chosen == e).any(-1)
+            out[rows] += expert(x[rows]) * weights[rows][chosen[rows] == e][:, None]
+        return out
+
+
+def test_a_router_counts_the_tokens_each_expert_got_and_an_expert_never_chosen_reads_zero(tmp_path):
+    torch.manual_seed(0)
+    model = Router().eval()
+    x = torch.randn(50, 8)
+    rows = record(model, x, tmp_path / "r.parquet")
+    with torch.no_grad():
+        chosen = torch.topk(model.gate(x).softmax(-1), 2, dim=-1).indices
+    tokens = np.bincount(chosen.reshape(-1).numpy(), minlength=4)
+    assert tokens[3] == 0
+    load = rows.filter(pl.col("kind") == "expert_load").row(0, named=True)
+    assert load["layer"] == "expert_load" or load["layer"].endswith("expert_load")
+    assert load["units"] == 4 and load["unit_sum"] == tokens.tolist()
+    prob = per_unit(rows, rows.filter(pl.col("kind") == "router_prob")["layer"][0])
+    with torch.no_grad():
+        np.testing.assert_allclose(prob, model.gate(x).softmax(-1).mean(0).numpy(), rtol=1e-5)
+
+
+def test_mixtral_counts_the_tokens_its_own_router_sends_each_expert(tmp_path):
+    torch.manual_seed(0)
+    model = mixtral("sdpa").eval()
+    ids = torch.randint(0, 64, (3, 10))
+    chosen = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, name=name: chosen.__setitem__(name, o[2]))
+             for name, m in model.named_modules() if type(m).__name__ == "MixtralTopKRouter"]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    rows = record(model, ids, tmp_path / "x.parquet")
+    for name, indices in chosen.items():
+        load = rows.filter(pl.col("layer") == f"{name}.expert_load").row(0, named=True)
+        assert load["unit_sum"] == np.bincount(indices.reshape(-1).numpy(), minlength=4).tolist()
+        entropy = rows.filter(pl.col("layer") == f"{name}.router_entropy").row(0, named=True)
+        assert entropy["count"] == 30 and 0 < entropy["min"] <= entropy["max"] <= 1
+
+
+SIGNAL_RULES = ("attention_entropy_collapse", "attention_logit_growth", "logit_divergence", "dead_expert")
+
+
+def signal_findings(model, probe, out, grow=lambda step: None, steps=5) -> dict[str, list]:
+    """The derived-reading findings of `steps` probe readings, `grow(step)` changing the weights before each."""
+    from actrace.analyzer import analyze
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitor(model, probe, out, grad_every=None) as mon:
+            for step in range(steps):
+                with torch.no_grad():
+                    grow(step)
+                mon.probe_reading(step * 10)
+    found = analyze([out]).findings
+    return {rule: [f for f in found if f.rule == rule] for rule in SIGNAL_RULES}
+
+
+def scale(model, layer: str, suffixes, factor: float) -> None:
+    for name, p in model.named_parameters():
+        if f".{layer}." in name and name.endswith(suffixes):
+            p.mul_(factor)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "mixtral"])
+def test_healthy_transformers_raise_no_derived_reading_finding(tmp_path, family):
+    torch.manual_seed(0)
+    found = signal_findings(BUILDERS[family]("sdpa"), torch.randint(0, 64, (4, 12)), tmp_path / "h.parquet")
+    assert found == {rule: [] for rule in SIGNAL_RULES}
+
+
+def test_growing_query_key_weights_raise_logit_growth_then_entropy_collapse_in_that_layer_only(tmp_path):
+    """Layer 1's q/k weights ×20, then ×1.6 at every reading (its logits ×2.56 a reading): the
+    logit growth names that layer from the reading above 50 and 5× the first; entropy collapse
+    once its heads are one-hot; layer 0 is never named."""
+    torch.manual_seed(0)
+    model = llama("eager")
+    qk = ("q_proj.weight", "k_proj.weight")
+    found = signal_findings(model, torch.randint(0, 64, (4, 12)), tmp_path / "g.parquet", steps=6,
+                            grow=lambda step: scale(model, "1", qk, 20.0 if step == 0 else 1.6))
+    growth, collapse = found["attention_logit_growth"], found["attention_entropy_collapse"]
+    assert [f.layer for f in growth] == ["model.layers.1.self_attn.attention_logit"]
+    assert growth[0].value > 50 and growth[0].step > 0
+    assert [f.layer for f in collapse] == ["model.layers.1.self_attn.attention_entropy"]
+    assert "4 of 4 heads" in collapse[0].evidence and collapse[0].step >= growth[0].step
+    assert found["logit_divergence"] == [] and found["dead_expert"] == []
+
+
+def test_a_growing_lm_head_raises_logit_divergence_and_a_router_that_never_picks_an_expert_dead_expert(tmp_path):
+    torch.manual_seed(0)
+    model = llama("sdpa")
+    found = signal_findings(model, torch.randint(0, 64, (4, 12)), tmp_path / "z.parquet",
+                            grow=lambda step: step and model.lm_head.weight.mul_(5.0))
+    assert [f.layer for f in found["logit_divergence"]] == ["lm_head.log_z"]
+    assert found["logit_divergence"][0].value >= 20
+    router = Router()
+    found = signal_findings(router, torch.randn(50, 8), tmp_path / "r.parquet", steps=3)
+    dead = found["dead_expert"]
+    assert len(dead) == 1 and "expert 3 got no probe token" in dead[0].evidence and dead[0].step == 0
+
+
+def test_the_report_draws_every_head_over_steps_and_names_the_collapsed_layer(tmp_path):
+    """A Llama whose layer 1 q/k grow: the report's heads section draws one row per head (8) in
+    Chromium without a script error, and its findings name that layer's collapse."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from conftest import HUNG, run_cli
+
+    torch.manual_seed(0)
+    model = llama("sdpa")
+    signal_findings(model, torch.randint(0, 64, (4, 12)), tmp_path / "qk.parquet", steps=4,
+                    grow=lambda step: scale(model, "1", ("q_proj.weight", "k_proj.weight"), 20.0 if step == 0 else 1.6))
+    res = run_cli("report", tmp_path / "qk.parquet", "-o", tmp_path / "r.html")
+    assert res.returncode == 0, res.stderr
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                                    args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto((tmp_path / "r.html").as_uri())
+        page.wait_for_selector("#heads svg .mark-rect", state="attached", timeout=HUNG * 1000)
+        labels = page.eval_on_selector_all("#heads svg .role-axis-label text", "els => els.map(e => e.textContent)")
+        text = page.inner_text("body")
+        browser.close()
+    assert errors == []
+    assert {f"model.layers.{i}.self_attn · head {h}" for i in (0, 1) for h in range(4)} <= set(labels)
+    assert "attention_entropy_collapse" in text and "Attention heads × steps" in text
