@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import actrace
-from actrace.format.schema import KIND_BOUNDS, SATURATING_SIDES, canonical_kind
+from actrace.format.schema import KIND_BOUNDS, SATURATING_SIDES, canonical_kind, columns_absent_in
 
 SPEC = Path(__file__).parent
 THRESHOLDS = {"dead_eps": [0.0, 0.1], "sat_threshold": [0.9, 0.99]}
@@ -113,15 +113,17 @@ def write_valid(out: Path, name: str, steps=(0, 100), nan: bool = False) -> Path
 
 
 def write_older(out: Path, template: Path, version: str) -> None:
-    """`valid-mlp` as an earlier writer made it: 1.1 without `value` and with kinds as given (a
-    `hard_tanh`, a `clip` to [0, 6], which 1.2 writes as `clip` and `relu6`), 1.0 without
-    `sat_counts` too. A 1.2 reader reads both; a 1.0 trace's saturation per value comes from the histogram."""
+    """`valid-mlp` as an earlier writer made it: 1.2 without `sum3` and `sum4`; 1.1 without `value`
+    too and with kinds as given (a `hard_tanh`, a `clip` to [0, 6], which 1.2 writes as `clip` and
+    `relu6`); 1.0 without `sat_counts` too. A 1.3 reader reads them all; a 1.0 trace's saturation per
+    value comes from the histogram."""
     t = pq.read_table(template)
     given = {layer: kind for layer, (_, _, kind, _) in layers(0, np.random.default_rng(0)).items()}
-    t = t.set_column(t.column_names.index("kind"), "kind", pa.array(
-        [given.get(layer, kind) for layer, kind in zip(t["layer"].to_pylist(), t["kind"].to_pylist())],
-        t.schema.field("kind").type))
-    t = t.drop_columns(["value"] + (["sat_counts"] if version == "1.0" else []))
+    if version < "1.2":
+        t = t.set_column(t.column_names.index("kind"), "kind", pa.array(
+            [given.get(layer, kind) for layer, kind in zip(t["layer"].to_pylist(), t["kind"].to_pylist())],
+            t.schema.field("kind").type))
+    t = t.drop_columns(sorted(columns_absent_in(version)))
     meta = {**t.schema.metadata, b"actrace:spec_version": version.encode()}
     name = f"valid-v{version.replace('.', '_')}"
     pq.write_table(t.replace_schema_metadata(meta), out / "examples" / f"{name}.parquet")
@@ -129,6 +131,7 @@ def write_older(out: Path, template: Path, version: str) -> None:
     expected: dict = {"thresholds": THRESHOLDS, "layers": {}}
     for step in (0, 100):
         for layer, (x, axis, kind, bounds) in layers(step, rng).items():
+            kind = kind if version < "1.2" else canonical_kind(kind, bounds)[0]  # as the file holds it
             expected["layers"].setdefault(layer, {})[str(step)] = expected_values(x, axis, kind, bounds,
                                                                                   exact=version != "1.0")
     (out / "expected" / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
@@ -189,7 +192,7 @@ def main(out: Path = SPEC) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     template = write_valid(out, "valid-mlp")
     write_valid(out, "valid-nonfinite", steps=(0,), nan=True)
-    for version in ("1.0", "1.1"):
+    for version in ("1.0", "1.1", "1.2"):
         write_older(out, template, version)
     for name, change in INVALID.items():
         mutate(out, template, name, change)

@@ -10,7 +10,7 @@ from actrace.reduce import Reading
 from actrace.format.schema import SCHEMA, UNIT_COLUMNS, canonical_kind
 
 _SCALARS = ("layer", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
-            "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value")
+            "inf_count", "zero_count", "sum", "sumsq", "min", "max", "update_norm", "value", "sum3", "sum4")
 _scalars = operator.attrgetter(*_SCALARS)
 
 

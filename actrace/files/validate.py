@@ -135,9 +135,13 @@ def row_problems(t: pa.Table, path, *, read=None, newer_minor: bool = False) -> 
         rows(_np(t, "min", np.nan) > _np(t, "max", np.nan), "min", "min exceeds max")
     if need("sumsq"):
         rows(_np(t, "sumsq", 0.0) < 0, "sumsq", "sum of squares is negative")
-    for name in ("sum", "sumsq"):
+    for name in ("sum", "sumsq", "sum3", "sum4"):
         if need(name):
             rows(np.isnan(_np(t, name, 0.0)), name, "a sum of finite values cannot be NaN")
+    if need("sum3", "sum4"):
+        rows(_np(t, "sum4", 0.0) < 0, "sum4", "sum of fourth powers is negative")
+        rows(t["sum3"].is_null().to_numpy(zero_copy_only=False) != t["sum4"].is_null().to_numpy(zero_copy_only=False),
+             "sum4", "sum3 and sum4 are null together or set together")
     lists = [c for c in UNIT_COLUMNS if need(c)]
     if lists:
         nulls = np.stack([t[c].is_null().to_numpy(zero_copy_only=False) for c in lists])

@@ -30,7 +30,7 @@ from actrace.files.table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
-_FLOATS = ["sum", "sumsq", "min", "max", "update_norm", "wall_time", "bound_lo", "bound_hi"] + \
+_FLOATS = ["sum", "sumsq", "sum3", "sum4", "min", "max", "update_norm", "wall_time", "bound_lo", "bound_hi"] + \
     [f"{c}.list.element" for c in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev")]
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=[
     "run", "layer", "kind", "stream", "param", "dtype", "mode", "probe_fingerprint"],

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
-SPEC_VERSION = "1.2"
+SPEC_VERSION = "1.3"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
 
 STREAMS = ("activation", "activation_grad", "param_grad", "param", "scalar")  # scalar: 1.2
@@ -46,10 +46,10 @@ KIND_BOUNDS: dict[str, tuple[float, float] | None] = {
     "identity": None,
     "other": None,
     **{kind: None for kind in ("attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit",
-                               "expert_load", "router_prob", "router_entropy")},  # 1.2, derived readings
+                               "expert_load", "router_prob", "router_entropy")},  # 1.3, derived readings
 }
 KINDS = tuple(KIND_BOUNDS)
-# 1.2: kinds of *derived* readings, tensors a producer computes from what a layer computed (spec
+# 1.3: kinds of *derived* readings, tensors a producer computes from what a layer computed (spec
 # §Derived readings): per head of an attention, per position of an LM head, per expert of a router.
 # Only their own rules judge them: a head of entropy 0 is collapse, not a dead unit.
 DERIVED_KINDS = ("attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit", "expert_load",
@@ -140,12 +140,14 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("hist", _i64_list, True, "sum"),
     ("sat_counts", _i64_list, True, "sum"),  # 1.1
     ("value", pa.float64(), True, "none"),  # 1.2
+    ("sum3", pa.float64(), True, "sum"),  # 1.3
+    ("sum4", pa.float64(), True, "sum"),  # 1.3
 ]
 UNIT_COLUMNS = tuple(name for name, *_ in COLUMNS if name.startswith("unit_") and name != "unit_axis")
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null, _ in COLUMNS])
 READING_KEY = ("run", "layer", "stream", "param", "step")  # at most one row each (spec §Validity)
 # the columns each minor version added: absent from the files of older minor versions, read as null
-ADDED_IN = {"sat_counts": 1, "value": 2}
+ADDED_IN = {"sat_counts": 1, "value": 2, "sum3": 3, "sum4": 3}
 MERGE = {name: rule for name, _, _, rule in COLUMNS}
 
 

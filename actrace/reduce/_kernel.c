@@ -15,6 +15,7 @@
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
 #define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
 #define MAX_BINS 160 /* at least the spec's 141 */
+#define F64_ROWS 8   /* double outputs per unit: sum, sumsq, rsum, rsumsq, cube, quart, rcube, rquart */
 #define KEY_SHIFT 14 /* key = float32 bits >> KEY_SHIFT: 2^18 keys, a 256 KiB table of bins */
 #define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
 #define CARRY (256 - MAX_BINS) /* bin + CARRY reaches 256 (bit 8) for EXACT only: one test for four bins */
@@ -126,6 +127,7 @@ typedef struct { /* per-unit outputs; the r* (relu(x)) ones are unused without r
     double *sum, *sumsq, *rsum, *rsumsq;
     float *mn, *mx, *mindev;
     int64_t *zero, *finite, *rzero;
+    double *cube, *quart, *rcube, *rquart; /* sums of x^3 and x^4 (relu(x)'s): kurtosis (spec 1.2) */
 } Out;
 
 typedef struct { const Bins *b; int64_t (*part)[MAX_BINS]; int on; int64_t nan; } Hist;
@@ -137,18 +139,21 @@ static void exact_values(const float *p, int64_t n, int64_t stride, float centre
     for (int64_t k = 0; k < n; k++) {
         float v = p[k * stride];
         if (!is_finite(v)) continue;
-        double dv = v, vp = dv > 0 ? dv : 0.0;
-        o->sum[u] += dv; o->sumsq[u] += dv * dv;
+        double dv = v, vp = dv > 0 ? dv : 0.0, d2 = dv * dv;
+        o->sum[u] += dv; o->sumsq[u] += d2; o->cube[u] += d2 * dv; o->quart[u] += d2 * d2;
         o->mn[u] = fminf(o->mn[u], v); o->mx[u] = fmaxf(o->mx[u], v);
         o->mindev[u] = fminf(o->mindev[u], fabsf(v - centre));
         o->zero[u] += v == 0.0f; o->finite[u]++;
-        if (relu) { o->rsum[u] += vp; o->rsumsq[u] += vp * vp; o->rzero[u] += v <= 0.0f; }
+        if (relu) {
+            o->rsum[u] += vp; o->rsumsq[u] += vp * vp; o->rzero[u] += v <= 0.0f;
+            o->rcube[u] += vp * vp * vp; o->rquart[u] += vp * vp * vp * vp;
+        }
     }
 }
 
 typedef float v8f __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX2 or SSE2 pairs */
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef struct { v8f s, ss, rs, rss, lo, hi, dev; v8i z, rz; } Lanes;
+typedef struct { v8f s, ss, s3, s4, rs, rss, rs3, rs4, lo, hi, dev; v8i z, rz; } Lanes;
 
 #define PICK(m, a, b) ((v8f)(((m) & (v8i)(a)) | (~(m) & (v8i)(b)))) /* lanes of a where m, else of b */
 
@@ -163,24 +168,29 @@ INLINE void lanes_step(Lanes *l, const float *src, const v8i *validp, float cent
     memcpy(&v, src, sizeof v);
     c += centre;
     v8f vs = (v8f)((v8i)v & valid), d = (v8f)((v8i)(v - c) & 0x7fffffff);
+    v8f sq = vs * vs;
     l->s += vs;
-    l->ss += vs * vs;
+    l->ss += sq;
+    l->s3 += sq * vs;
+    l->s4 += sq * sq;
     l->lo = PICK(valid & (v < l->lo), v, l->lo);
     l->hi = PICK(valid & (v > l->hi), v, l->hi);
     l->dev = PICK(valid & (d < l->dev), d, l->dev);
     l->z -= (v == zero) & valid;
     if (relu) {
-        v8f vp = PICK(vs > zero, vs, zero);
+        v8f vp = PICK(vs > zero, vs, zero), vq = vp * vp;
         l->rs += vp;
-        l->rss += vp * vp;
+        l->rss += vq;
+        l->rs3 += vq * vp;
+        l->rs4 += vq * vq;
         l->rz -= (v <= zero) & valid;
     }
 }
 
-/* Whether lane j's float sums stand: a finite sum of squares means no NaN or Inf was met and no
- * square overflowed. */
+/* Whether lane j's float sums stand: a finite sum of fourth powers means no NaN or Inf was met
+ * and no power overflowed (above 4e9 in magnitude: those values are summed in double). */
 INLINE int lane_ok(const Lanes *r, int j) {
-    return is_finite(r->ss[j]);
+    return is_finite(r->s4[j]);
 }
 
 /* [before, units, after] with after > 1 (NCHW and the like, and whole tensors as one unit): each
@@ -201,14 +211,14 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
             const float *p = x + i0 * row + u * after; /* unit u's run in row i0; row i is (i - i0) * row on */
             Lanes l = {.lo = {0}, .hi = {0}, .dev = {0}};
             l.lo += o->mn[u]; l.hi += o->mx[u]; l.dev += o->mindev[u];
-            double s = 0, ss = 0, rs = 0, rss = 0;
+            double s = 0, ss = 0, s3 = 0, s4 = 0, rs = 0, rss = 0, rs3 = 0, rs4 = 0;
             int64_t z = 0, rz = 0, finite = 0;
             for (int64_t a0 = 0; a0 < after; a0 += RUN) {
                 int64_t n = a0 + RUN < after ? RUN : after - a0;
                 const Lanes before_run = l; /* to go back to if these values must be done one by one */
                 const v8f zero = {0};
                 const v8i none = {0};
-                l.s = l.ss = l.rs = l.rss = zero;
+                l.s = l.ss = l.s3 = l.s4 = l.rs = l.rss = l.rs3 = l.rs4 = zero;
                 l.z = l.rz = none;
                 for (int64_t i = 0; i < i1 - i0; i++) {
                     const float *q = p + i * row + a0;
@@ -233,8 +243,8 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                 }
                 finite += n * (i1 - i0);
                 for (int j = 0; j < 8; j++) {
-                    s += r.s[j]; ss += r.ss[j]; z += r.z[j];
-                    if (relu) { rs += r.rs[j]; rss += r.rss[j]; rz += r.rz[j]; }
+                    s += r.s[j]; ss += r.ss[j]; s3 += r.s3[j]; s4 += r.s4[j]; z += r.z[j];
+                    if (relu) { rs += r.rs[j]; rss += r.rss[j]; rs3 += r.rs3[j]; rs4 += r.rs4[j]; rz += r.rz[j]; }
                 }
             }
             const Lanes r = l;
@@ -242,8 +252,11 @@ INLINE void runs(Hist *h, const float *x, int64_t before, int64_t units, int64_t
                 o->mn[u] = fminf(o->mn[u], r.lo[j]); o->mx[u] = fmaxf(o->mx[u], r.hi[j]);
                 o->mindev[u] = fminf(o->mindev[u], r.dev[j]);
             }
-            o->sum[u] += s; o->sumsq[u] += ss; o->zero[u] += z; o->finite[u] += finite;
-            if (relu) { o->rsum[u] += rs; o->rsumsq[u] += rss; o->rzero[u] += rz; }
+            o->sum[u] += s; o->sumsq[u] += ss; o->cube[u] += s3; o->quart[u] += s4;
+            o->zero[u] += z; o->finite[u] += finite;
+            if (relu) {
+                o->rsum[u] += rs; o->rsumsq[u] += rss; o->rzero[u] += rz; o->rcube[u] += rs3; o->rquart[u] += rs4;
+            }
         }
     }
 }
@@ -271,8 +284,11 @@ INLINE void fold_columns(const Lanes *l, const float *x, int64_t i0, int64_t i1,
         }
         o->mn[u] = r.lo[j]; o->mx[u] = r.hi[j]; o->mindev[u] = r.dev[j];
         o->zero[u] += r.z[j]; o->finite[u] += i1 - i0;
-        o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j];
-        if (relu) { o->rzero[u] += r.rz[j]; o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j]; }
+        o->sum[u] += r.s[j]; o->sumsq[u] += r.ss[j]; o->cube[u] += r.s3[j]; o->quart[u] += r.s4[j];
+        if (relu) {
+            o->rzero[u] += r.rz[j]; o->rsum[u] += r.rs[j]; o->rsumsq[u] += r.rss[j];
+            o->rcube[u] += r.rs3[j]; o->rquart[u] += r.rs4[j];
+        }
     }
 }
 
@@ -318,7 +334,8 @@ typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or
     float centre;
     int32_t pieces, relu, hist;
     int32_t done;     /* pieces finished: the last one merges the rows into row 0 */
-    double *f64;      /* per piece: sum, sumsq, rsum, rsumsq (each `units` long), zeroed by the caller */
+    double *f64;      /* per piece: sum, sumsq, rsum, rsumsq, cube, quart, rcube, rquart (each `units` long),
+                       * zeroed by the caller */
     float *f32;       /* per piece: min, max, min |x - centre| */
     int64_t *i64;     /* per piece: zero, finite, rzero, then hist (n_bins) and nan, inf; zeroed */
 } Job;
@@ -334,11 +351,12 @@ CLONED static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
     int64_t span = along_before ? j->before : j->after, lo = span * k / j->pieces, hi = span * (k + 1) / j->pieces;
     int64_t before = along_before ? hi - lo : j->before, after = along_before ? j->after : hi - lo;
     const float *x = j->x + lo * (along_before ? units * j->after : 1);
-    double *d = j->f64 + 4 * units * k;
+    double *d = j->f64 + F64_ROWS * units * k;
     float *f = j->f32 + 3 * units * k;
     int64_t *i = j->i64 + wide * k, *hist = j->hist ? i + 3 * units : NULL, *nan_inf = i + wide - 2;
     for (int64_t u = 0; u < units; u++) { f[u] = INFINITY; f[units + u] = -INFINITY; f[2 * units + u] = INFINITY; }
-    Out o = {d, d + units, d + 2 * units, d + 3 * units, f, f + units, f + 2 * units, i, i + units, i + 2 * units};
+    Out o = {d, d + units, d + 2 * units, d + 3 * units, f, f + units, f + 2 * units, i, i + units, i + 2 * units,
+             d + 4 * units, d + 5 * units, d + 6 * units, d + 7 * units};
     int64_t part[4][MAX_BINS];
     memset(part, 0, sizeof part);
     Hist h = {b, part, hist != NULL, 0};
@@ -368,10 +386,10 @@ CLONED static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
 static void merge_rows(const Bins *b, Job *j) {
     int64_t units = j->units, wide = 3 * units + b->n_bins + 2;
     for (int64_t k = 1; k < j->pieces; k++) {
-        const double *d = j->f64 + 4 * units * k;
+        const double *d = j->f64 + F64_ROWS * units * k;
         const float *f = j->f32 + 3 * units * k;
         const int64_t *i = j->i64 + wide * k;
-        for (int64_t u = 0; u < 4 * units; u++) j->f64[u] += d[u];
+        for (int64_t u = 0; u < F64_ROWS * units; u++) j->f64[u] += d[u];
         for (int64_t u = 0; u < units; u++) {
             j->f32[u] = fminf(j->f32[u], f[u]);
             j->f32[units + u] = fmaxf(j->f32[units + u], f[units + u]);
@@ -400,7 +418,7 @@ void actrace_run_batch(void *data) {
 /* What kernel.py's ctypes mirror must match, checked there at import: the constants, then the size
  * and field offsets of Bins, Job and Batch in declaration order. */
 static const int64_t layout[] = {
-    KEY_SHIFT, EXACT, MAX_BINS,
+    KEY_SHIFT, EXACT, MAX_BINS, F64_ROWS,
     sizeof(Bins), offsetof(Bins, key_bin), offsetof(Bins, edges), offsetof(Bins, n_edges), offsetof(Bins, zero_bin),
     offsetof(Bins, n_bins),
     sizeof(Job), offsetof(Job, x), offsetof(Job, before), offsetof(Job, units), offsetof(Job, after),

@@ -39,9 +39,12 @@ class LayoutError(ImportError):
     """The compiled kernel and this mirror of its structs disagree (a stale or mismatched build)."""
 
 
+F64_ROWS = 8  # double outputs per unit: sum, sumsq, relu's sum, sumsq, cubes, fourth powers, relu's cubes, fourth
+
+
 def _load():
     """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking
-    that the C structs are laid out as the ctypes ones here; None when the kernel is not built."""
+    its F64_ROWS and that the C structs are laid out as the ctypes ones here; None when the kernel is not built."""
     spec = importlib.util.find_spec("actrace.reduce._kernel")
     if spec is None or not spec.origin:
         return None
@@ -52,9 +55,9 @@ def _load():
     mirror = []
     for struct in (_Bins, _Job, _Batch):
         mirror += [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
-    if got[3:] != mirror:
-        raise LayoutError(f"{spec.origin}: the kernel's struct layout {got[3:]} is not kernel.py's {mirror}; "
-                          "rebuild it (pip install -e .)")
+    if got[4:] != mirror or got[3] != F64_ROWS:
+        raise LayoutError(f"{spec.origin}: the kernel's struct layout {got[3:]} is not kernel.py's "
+                          f"{[F64_ROWS, *mirror]}; rebuild it (pip install -e .)")
     shift, exact, max_bins = got[:3]
     if bins.N_BINS > max_bins or exact < max_bins:
         raise LayoutError(f"{spec.origin}: built for {max_bins} bins (EXACT {exact}), the spec has {bins.N_BINS}")
@@ -116,7 +119,7 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     before, units, after = x3.shape
     cut = x3.size >= SPLIT and (before >= threads or (before, units) == (1, 1))
     pieces = threads if cut else 1
-    f64 = np.zeros((pieces, 4, units))
+    f64 = np.zeros((pieces, F64_ROWS, units))
     f32 = np.empty((pieces, 3, units), np.float32)
     i64 = np.zeros((pieces, 3 * units + bins.N_BINS + 2), np.int64)
     job = _Job(_address(x3), before, units, after, centre, pieces, relu, histogram, 0,
@@ -124,8 +127,9 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     (d, f, i) = (f64[0], f32[0], i64[0])
     out = {"unit_sum": d[0], "unit_sumsq": d[1], "unit_min": f[0], "unit_max": f[1], "unit_min_dev": f[2],
            "unit_zero": i[:units], "unit_count": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None,
-           "nan_count": i[-2:-1], "inf_count": i[-1:],
-           "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units]} if relu else None}
+           "nan_count": i[-2:-1], "inf_count": i[-1:], "unit_sum3": d[4], "unit_sum4": d[5],
+           "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units], "unit_sum3": d[6],
+                    "unit_sum4": d[7]} if relu else None}
     return job, out
 
 
@@ -174,12 +178,12 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
     pieces = np.where(sizes >= SPLIT, _threads(), 1).astype(np.int32)
     first = np.cumsum(pieces) - pieces
     width = 3 + bins.N_BINS + 2
-    f64, f32 = np.zeros((first[-1] + pieces[-1], 4)), np.empty((first[-1] + pieces[-1], 3), np.float32)
+    f64, f32 = np.zeros((first[-1] + pieces[-1], F64_ROWS)), np.empty((first[-1] + pieces[-1], 3), np.float32)
     i64 = np.zeros((first[-1] + pieces[-1], width), np.int64)
     table = np.zeros(n * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
     jobs = table.view(_JOBS)
     jobs["x"], jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = addresses, 1, 1, sizes, pieces
-    jobs["f64"], jobs["f32"] = _address(f64) + 32 * first, _address(f32) + 12 * first
+    jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
     jobs["i64"] = _address(i64) + 8 * width * first
     _dispatch(_address(table), n, int(pieces.sum()), int(sizes.sum()))
     f64, f32, i64 = f64[first], f32[first], i64[first]

@@ -50,6 +50,8 @@ class Reading:
     hist: np.ndarray | None = None
     sat_counts: np.ndarray | None = None
     value: float | None = None
+    sum3: float | None = None
+    sum4: float | None = None
 
     @classmethod
     def scalar(cls, name: str, value) -> "Reading":
@@ -82,6 +84,8 @@ class Reading:
                 # units with no finite value hold NaN extremes, which fmin/fmax pass over
                 min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
                 hist=v["hist"].astype(np.int64) if "hist" in v else None,
+                sum3=float(v["unit_sum3"].sum()) if "unit_sum3" in v else None,
+                sum4=float(v["unit_sum4"].sum()) if "unit_sum4" in v else None,
                 sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **meta)
         if per_unit:
             for name, dtype in _UNIT_DTYPES.items():

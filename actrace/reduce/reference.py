@@ -95,13 +95,16 @@ def reference(x, unit_axis: int | None = None, *, bounds: tuple[float, float] | 
     return st
 
 def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
-    """The statistics of a (before, units, after) float array over axes 0 and 2: sums in float64
-    over finite values, extremes and min |h - c| of finite values (NaN for a unit with none),
+    """The statistics of a (before, units, after) float array over axes 0 and 2: sums (of values,
+    squares, cubes, fourth powers) in float64 over finite values, extremes and min |h - c| of finite values (NaN for a unit with none),
     zero and finite counts per unit, the histogram, NaN and Inf totals."""
     axes = (0, 2)
 
     def square(b, out):
         return np.square(b, out=out, dtype=out.dtype)
+
+    def power(n):  # x^n in float64: the sums of cubes and fourth powers (kurtosis, spec 1.3)
+        return lambda b, out: np.power(b, n, out=out, dtype=np.float64)
 
     wide = np.float64 if x3.dtype.itemsize < 8 else None  # float32 squares overflow above 1.8e19
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a sum only says: not finite
@@ -123,6 +126,8 @@ def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
         unit_count = finite.sum(axis=axes, dtype=np.int64)
         unit_min = np.where(finite, x3, np.inf).min(axis=axes).astype(np.float64)
         unit_max = np.where(finite, x3, -np.inf).max(axis=axes).astype(np.float64)
+    finite_x3 = x3 if all_finite else clean
+    unit_sum3, unit_sum4 = (_blockwise(finite_x3, power(n), np.add, np.float64) for n in (3, 4))
     unit_zero = _blockwise(x3, lambda b, out: np.equal(b, 0, out=out), np.add, np.bool_).astype(np.int64)
     # min |h - c|: a unit entirely on one side of c needs no pass (ReLU outputs, say)
     with np.errstate(invalid="ignore"):
@@ -138,5 +143,6 @@ def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
     zeros = int(unit_zero.sum())
     return {"unit_sum": unit_sum, "unit_sumsq": unit_sumsq, "unit_min": unit_min, "unit_max": unit_max,
             "unit_min_dev": unit_min_dev, "unit_zero": unit_zero, "unit_count": unit_count,
+            "unit_sum3": unit_sum3, "unit_sum4": unit_sum4,
             "hist": bins.histogram(x3, zeros) if histogram else None,
             "nan_count": nan_count, "inf_count": x3.size - int(unit_count.sum()) - nan_count}

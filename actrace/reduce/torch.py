@@ -22,7 +22,7 @@ from actrace.format.schema import MERGE, bounds_for
 
 from . import kernel
 from .dispatch import relu_stats
-from .reading import Reading
+from .reading import Reading, ReductionError
 from .reference import centre, check_reducible, sat_counts
 
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
@@ -49,18 +49,23 @@ class Pending:
     relu: dict | None = None  # the statistics of relu(x), when the pass was asked for them
 
 
-_local = threading.local()
+_scratch = threading.local()  # per thread: reused buffers (scratch_like)
 
 
-def scratch_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer (one per thread) shaped like `x`: a fresh full-size temporary per reading
-    costs page faults that can exceed the reduction itself (measured on CPU: 3-4x)."""
-    scratch = _local.__dict__.setdefault("buffers", {})
-    key = (x.device, dtype)
-    buf = scratch.get(key)
-    if buf is None or buf.numel() < x.numel():
-        buf = scratch[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
-    return buf[: x.numel()].view(x.shape)
+def scratch_like(x: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+    """A reused buffer (one per thread and `slot`) shaped like `x`: a fresh full-size temporary per
+    reading costs page faults that can exceed the reduction itself (measured on CPU: 3-4x)."""
+    return scratch(x.shape, dtype, x.device, slot)
+
+
+def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
+    """`scratch_like` by shape: slot 0 is the reductions' own, other slots their callers'."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key, n = (device, dtype, slot), math.prod(shape)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < n:
+        buf = buffers[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
 
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
@@ -123,16 +128,17 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
         return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
-    pending.stats = _masked(x, axis, c, kind == "relu", histogram and per_unit)
+    pending.stats = _masked(x, axis, c, kind == "relu", histogram and per_unit, moments=per_unit)
     if bounds is not None and per_unit:
         pending.stats["sat_counts"] = sat_counts(x, bounds, torch)
     return pending
 
 
-def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool) -> dict:
+def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, moments: bool = True) -> dict:
     """The reference's statistics (`reference._stats`) by torch kernels on the tensor's device, over
     its finite values whatever it holds (no host sync to ask whether it holds a NaN): sums in
-    float64 (spec §Numerics), extremes and min |h - c| NaN for a unit with no finite value."""
+    float64 (spec §Numerics), extremes and min |h - c| NaN for a unit with no finite value; the
+    sums of cubes and fourth powers with `moments` (probe readings, not per-step gradients)."""
     dims = [d for d in range(x.ndim) if d != axis]
     finite = torch.isfinite(x)
     work = scratch_like(x, x.dtype)
@@ -140,10 +146,14 @@ def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool) -
     clean = torch.where(finite, x, zero, out=work)
     unit_count = finite.sum(dims)
     total = clean.sum(dims, dtype=_F64)
+    if moments:  # cubes and fourth powers in float64 (float32's overflow above 4e9)
+        wide = clean.to(_F64, copy=True)
+        moment = {"unit_sum3": torch.mul(wide, wide).mul_(wide).sum(dims), "unit_sum4": wide.square_().square_().sum(dims)}
+        del wide
     # float32 squares overflow above 1.8e19: narrower values are squared in float64 (by the norm)
     squares = torch.square(clean, out=work).sum(dims, dtype=_F64) if x.dtype == _F64 else \
         torch.linalg.vector_norm(clean, 2, dims, dtype=_F64).square()
-    s = {"unit_sum": total, "unit_sumsq": squares,
+    s = {"unit_sum": total, "unit_sumsq": squares, **(moment if moments else {}),
          "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims), "unit_count": unit_count,
          "unit_min": torch.where(finite, x, inf, out=work).amin(dims),
          "unit_max": torch.where(finite, x, -inf, out=work).amax(dims)}
