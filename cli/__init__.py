@@ -61,7 +61,7 @@ def analysis(args):
     from actrace.analyzer.findings import ADVICE
     from actrace.analyzer.metrics import Thresholds
 
-    th = Thresholds(args.dead_eps, args.sat_threshold)
+    th = Thresholds(args.dead_eps, args.sat_threshold, args.dormant_tau)
     unknown = sorted(set(getattr(args, "allow", ())) - set(ADVICE))
     if unknown:
         raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a unit is dead when max |h| over the probe is <= EPS (default 0)")
         p.add_argument("--sat-threshold", type=float, default=0.99, metavar="T",
                        help="saturated when within (1-T) of a bound, e.g. |tanh| >= T (default 0.99)")
+        p.add_argument("--dormant-tau", type=float, default=0.1, metavar="TAU",
+                       help="a live unit is dormant when its RMS is <= TAU x the layer's mean unit RMS (default 0.1)")
         p.add_argument("--baseline", metavar="RUN", help="run the others are compared with (default: the first)")
         p.add_argument("--x", choices=["step", "progress"], default="step",
                        help="align runs by step or by fraction of training")

@@ -20,6 +20,7 @@ import actrace
 from actrace.format.fingerprint import fingerprint
 from actrace.files.reader import expand
 from actrace.reduce import fold, reduce_arrays
+from actrace.reduce.derived import ATTENTION, attention
 
 from actrace.format.schema import KINDS, shown
 
@@ -163,6 +164,9 @@ class Checkpoint:
         self.recurrent = [(op, [t for t in self.tensors if t.recurrent is op]) for op in ops]  # and its readings
         self.unread = {t.name: t.recurrent.unread for t in self.tensors
                        if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
+        # an attention's scores are read as the derived readings they give, per head, under its scope
+        self.order = {name: i for i, name in enumerate(
+            n for t in self.tensors for n in ([f"{t.name}.{k}" for k in ATTENTION] if t.scores else [t.name]))}
         self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
             name for op, _ in self.recurrent for name in op.expose()]))
         self.session = _session(model, self.names, self.path)
@@ -176,7 +180,9 @@ class Checkpoint:
                 values = dict(zip(self.names, self.session.run(self.names, part)))
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
-            jobs = [(t, np.asarray(values[t.output])) for t in self.fetched]
+            jobs = [(t, np.asarray(values[t.output])) for t in self.fetched if not t.scores]
+            jobs += [(Layer(f"{t.name}.{kind}", t.output, kind, None, -1), v) for t in self.fetched if t.scores
+                     for kind, v in attention(np.asarray(values[t.output])).items()]
             for op, layers in self.recurrent:
                 arrays = op.readings(values, {t.part for t in layers})
                 jobs += [(t, arrays[t.part]) for t in layers if t.part in arrays]
@@ -185,8 +191,7 @@ class Checkpoint:
                 layer=t.name, bounds=t.bounds, relu=self.relu_of[t.output].name if t.output in self.relu_of else None))
                 for t, v in jobs])  # one kernel batch on every thread
             fold(merged, readings)
-        order = {t.name: i for i, t in enumerate(self.tensors)}
-        return sorted(merged.values(), key=lambda r: order[r.layer])
+        return sorted(merged.values(), key=lambda r: self.order[r.layer])
 
 
 def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[tuple[int, Path]]:

@@ -45,6 +45,7 @@ class Layer:
     input: str = ""   # the tensor a ReLU rectifies: read from that tensor's pass when it is read too
     recurrent: Op | None = None  # a reading of a recurrent node (its `part`), computed from the node's tensors
     part: str = ""
+    scores: bool = False  # an attention's scores `[B, H, Q, K]` (`output`): its derived readings, per head
 
 
 class Graph:
@@ -272,8 +273,10 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
                 kind, bounds = _clip(graph, node)
                 if kind is None:
                     continue  # a one-sided guard (F.normalize's eps), not an activation
-            if op == "Softmax" and module in attention:
-                continue  # attention weights: internal to the attention block
+            if op == "Softmax" and module in attention:  # attention weights: internal to the attention block,
+                if len(graph.shape.get(node.input[0]) or []) == 4 and _softmax_axis(graph, node) in (-1, 3):
+                    found.append((node, "scores", module, cls, None))  # its scores give the heads' numbers
+                continue
             found.append((node, kind, module, cls, bounds))
     return _named(graph, found, attention, axes)
 
@@ -306,6 +309,9 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
             op = Op(graph, node)
             out += [Layer(f"{prefix}.{part.replace('l0', f'l{index}', 1)}", f"{node.name or prefix}:{part}", k,
                           None, -1, recurrent=op, part=part) for part, k in op.parts()]
+            continue
+        if kind == "scores":  # named as the PyTorch adapter names the scope's derived readings
+            out.append(Layer(module or node.name, node.input[0], "attention_logit", None, 1, scores=True))
             continue
         if kind == "linear" and module in attention:
             if last_in_block[module] != id(node):

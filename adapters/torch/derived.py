@@ -3,7 +3,7 @@ an MoE router computed, as tensors the ordinary reductions read per head, per po
 
 Fused attention (SDPA, the fast path of `nn.MultiheadAttention`) never shows its scores, so they
 are computed again, unfused, from the same queries, keys and masks: the probe is outside the
-training step, so exact per-head numbers cost nothing there.
+training step, so exact per-head numbers cost the training step nothing.
 """
 from __future__ import annotations
 
@@ -12,39 +12,67 @@ import math
 import torch
 import torch.nn.functional as F
 
+from actrace.reduce.torch import scratch, scratch_like
+
 from .axes import arg
 
 # the kinds each source of derived readings gives, in the order it gives them
 ATTENTION = ("attention_logit", "attention_entropy", "attention_sink")
 LOGITS = ("log_z", "max_logit")
 ROUTER = ("expert_load", "router_prob", "router_entropy")
+_LEFT_OUT = torch.finfo(torch.float32).min
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
              "is_causal")
 
 
 def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's
-    lowest value (an additive mask): per head (axis 0) the logits of the (query, key) pairs no
-    head masks, each query's entropy over its keys divided by ln(keys) (queries of 2 keys or more),
-    and the mass on the first key it may attend. A NaN score stays: it is read as one."""
+    lowest value (an additive mask), a key any head masks left out: per query and head (last axis),
+    its largest logit over the keys it may attend, its entropy over them divided by ln(keys)
+    (queries of 2 keys or more), and its mass on the first key it may attend. A NaN score stays: it is read as one.
+    The softmax is taken by hand in a reused buffer and never normalized whole, and the entropy is
+    log Z minus the expected logit, with no logarithm per score: a sixth of the time of torch's
+    softmax and entropy."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
-    keys = ~(x <= lowest).any(1)  # [B, Q, K]
-    n = keys.sum(-1)
-    p = torch.softmax(x.masked_fill(~keys[:, None], -math.inf), -1)  # a query with no key: NaN, left out
-    heads = x.shape[1]
-    entropy = torch.special.entr(p).sum(-1) / n.clamp(min=2).log()[:, None]
-    first = keys.to(torch.int8).argmax(-1)  # the first key each query may attend
-    sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
-    return {"attention_logit": x.transpose(0, 1)[:, keys], "attention_entropy": entropy.transpose(0, 1)[:, n >= 2],
-            "attention_sink": sink.transpose(0, 1)[:, n >= 1]}
+    batch, heads, queries, keys = x.shape
+    masked = x.amin(1) <= lowest  # [B, Q, K]: a key some head leaves out; NaN is read
+    masked = masked if bool(masked.any()) else None
+    n = torch.full((batch, queries), keys, device=x.device) if masked is None else keys - masked.sum(-1)
+    e = scratch_like(x, torch.float32)
+    live = x if masked is None else torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=e)  # keys no head masks
+    peak = live.amax(-1, keepdim=True)
+    # exp of what underflows is slow on a CPU: every exponent is kept at or above −87 (e^−87 is a
+    # normal float, and adds nothing), then a masked key's share is set to exactly 0
+    torch.sub(live, peak, out=e).clamp_(min=-87.0).exp_()
+    if masked is not None:
+        e.masked_fill_(masked[:, None], 0.0)
+    total = e.sum(-1)  # p = e / total, never divided out whole
+    expected = _expected(e, x)
+    if bool(torch.isnan(expected).any()) and bool(torch.isneginf(x).any()):  # 0 · (−inf) of a −inf mask
+        expected = _expected(e, x.clamp(min=_LEFT_OUT))
+    entropy = (peak.squeeze(-1) + total.log() - expected / total).clamp_(min=0) / n.clamp(min=2).log()[:, None]
+    if masked is not None and bool(masked[..., 0].any()):  # a query that may not attend key 0 (left padding)
+        first = (~masked).to(torch.int8).argmax(-1)  # its first key
+        sink = e.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1) / total
+    else:
+        sink = e[..., 0] / total
+    rows, wide = n >= 1, n >= 2  # [B, Q]: queries with a key, with two or more
+    return {"attention_logit": peak.squeeze(-1).transpose(1, 2)[rows],
+            "attention_entropy": entropy.transpose(1, 2)[wide], "attention_sink": sink.transpose(1, 2)[rows]}
+
+
+def _expected(e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Σ e·x over the last axis, as one batched matrix product: no temporary of the scores' size."""
+    k = x.shape[-1]
+    return torch.bmm(e.reshape(-1, 1, k), x.reshape(-1, k, 1)).reshape(x.shape[:-1])
 
 
 def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The scores `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-    enable_gqa)` softmaxes, masked keys at −inf; None unless q is `[B, H, Q, E]`."""
+    enable_gqa)` softmaxes, masked keys at `_LEFT_OUT`; None unless q is `[B, H, Q, E]`."""
     q, k = arg(args, kwargs, 0, "query"), arg(args, kwargs, 1, "key")
     mask, causal = arg(args, kwargs, 3, "attn_mask"), arg(args, kwargs, 5, "is_causal", False)
     scale = arg(args, kwargs, 6, "scale")
@@ -52,33 +80,38 @@ def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
         return None
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    x = (q.float() @ k.float().transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    x = _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
     if causal:
-        x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), -math.inf)
+        x.masked_fill_(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
     return _masked(x, mask, allowed=True)
 
 
 def mha_logits(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The scores of an `nn.MultiheadAttention` call, from its inputs, projections and masks; None
-    for a layer with `add_bias_kv` or `add_zero_attn` (keys the inputs do not hold)."""
+    for a layer with `add_bias_kv` or `add_zero_attn` (keys the inputs do not hold). The scale is
+    folded into the query weights, and self-attention's queries and keys come from one product."""
     a = dict(zip(_MHA_ARGS, args), **kwargs)
     q, k = a["query"], a["key"]
     if module.bias_k is not None or module.add_zero_attn:
         return None
-    if q.ndim == 2:
-        q, k = q[:, None], k[:, None]
-    elif module.batch_first:
-        q, k = q.transpose(0, 1), k.transpose(0, 1)
     e, heads = module.embed_dim, module.num_heads
+    d = e // heads
     wq, wk = (module.in_proj_weight[:e], module.in_proj_weight[e:2 * e]) if module._qkv_same_embed_dim \
         else (module.q_proj_weight, module.k_proj_weight)
     b = module.in_proj_bias
-    q = F.linear(q, wq, None if b is None else b[:e])
-    k = F.linear(k, wk, None if b is None else b[e:2 * e])
-    (lq, batch), s, d = q.shape[:2], k.shape[0], e // heads
-    q = q.reshape(lq, batch, heads, d).permute(1, 2, 0, 3).float()
-    k = k.reshape(s, batch, heads, d).permute(1, 2, 0, 3).float()
-    x = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    bq, bk = (None, None) if b is None else (b[:e] / math.sqrt(d), b[e:2 * e])
+    wq = wq / math.sqrt(d)
+    same = q is k
+    if q.ndim == 2:  # unbatched [L, E]
+        q, k = q[None], k[None]
+    elif not module.batch_first:
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
+    if same and module._qkv_same_embed_dim:
+        q, k = F.linear(q, torch.cat([wq, wk]), None if b is None else torch.cat([bq, bk])).split(e, -1)
+    else:
+        q, k = F.linear(q, wq, bq), F.linear(k, wk, bk)
+    (batch, lq, _), s = q.shape, k.shape[1]
+    x = _scores(q.reshape(batch, lq, heads, d).transpose(1, 2), k.reshape(batch, s, heads, d).transpose(1, 2))
     mask, padding = a.get("attn_mask"), a.get("key_padding_mask")
     if mask is not None and mask.ndim == 3:
         mask = mask.reshape(batch, heads, lq, s)
@@ -86,15 +119,23 @@ def mha_logits(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -
     return _masked(x, None if padding is None else padding.reshape(batch, 1, 1, s), allowed=False)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
+    softmax of `attention` takes slot 0)."""
+    out = scratch((*q.shape[:-1], k.shape[-2]), torch.float32, q.device, slot=1)
+    return torch.matmul(q.float(), k.float().transpose(-2, -1), out=out)
+
+
 def _masked(x: torch.Tensor, mask, allowed: bool) -> torch.Tensor:
-    """Scores with a mask applied: a boolean one marks the keys `allowed` (SDPA) or those left out
-    (`nn.MultiheadAttention`); a float one is added, its values at half the dtype's lowest or below
-    leaving a key out (−inf)."""
+    """Scores (our own buffer) with a mask applied in place: a boolean one marks the keys `allowed`
+    (SDPA) or those left out (`nn.MultiheadAttention`); a float one is added, its values at half
+    the dtype's lowest or below (−inf included) leaving a key out: `_LEFT_OUT`, which `attention`
+    reads as masked and which, unlike −inf, times a probability of 0 is 0."""
     if mask is None:
         return x
     if mask.dtype == torch.bool:
-        return x.masked_fill(~mask if allowed else mask, -math.inf)
-    return (x + mask.float()).masked_fill(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
+        return x.masked_fill_(~mask if allowed else mask, _LEFT_OUT)
+    return x.add_(mask.float()).masked_fill_(mask <= torch.finfo(mask.dtype).min / 2, _LEFT_OUT)
 
 
 def output_logits(logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -104,9 +145,9 @@ def output_logits(logits: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def routing(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
-    """A router's choice, from its `torch.topk(scores, k)` over experts (last axis): per expert
-    (axis 0) and token, 1 where the token chose it (`expert_load`, whose sum per expert is its
-    tokens) and the router's probability (the scores if they are some, else their softmax); per
+    """A router's choice, from its `torch.topk(scores, k)` over experts (last axis): per token and
+    expert (last axis), 1 where the token chose it (`expert_load`, whose sum per expert is its
+    tokens) and the router's probability (non-negative scores normalized, logits softmaxed); per
     token the probabilities' entropy over ln(experts)."""
     scores, k = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "k")
     dim, largest = arg(args, kwargs, 2, "dim", -1), arg(args, kwargs, 3, "largest", True)
@@ -114,8 +155,8 @@ def routing(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
             and dim in (-1, scores.ndim - 1) and largest and isinstance(k, int) and 0 < k < scores.shape[-1]):
         return None
     x = scores.detach().float().reshape(-1, scores.shape[-1])
-    sums = x.sum(-1)
-    p = x if bool((x >= 0).all() and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)) else torch.softmax(x, -1)
+    # scores of one sign are the router's own weights (a softmax's, a sigmoid's): normalized; logits: softmaxed
+    p = x / x.sum(-1, keepdim=True) if bool((x >= 0).all()) else torch.softmax(x, -1)
     chosen = torch.zeros_like(x).scatter_(-1, x.topk(k, -1).indices, 1.0)
-    return {"expert_load": chosen.T, "router_prob": p.T,
+    return {"expert_load": chosen, "router_prob": p,
             "router_entropy": torch.special.entr(p).sum(-1) / math.log(x.shape[-1])}

@@ -93,15 +93,31 @@ def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[floa
     return (kind, None) if kind else None
 
 
-# a module that routes tokens to experts: the scope of a router's top-k (spec §Derived readings)
-_ROUTER_ATTRS = ("top_k", "num_experts", "num_experts_per_tok", "num_local_experts", "n_experts", "n_routed_experts")
-_ROUTER_NAME = re.compile(r"router|gate|gating|moe|expert", re.IGNORECASE)
+# what says a module is an attention (the scope of a softmax over its scores) or a router of experts
+# (the scope of a top-k over them), by its class name or the last segment of its path (spec §Derived
+# readings); CamelCase and snake_case split into words first
+_ATTENTION_WORDS = {"attention", "attn", "selfattention", "crossattention", "mha"}
+_ROUTER_WORDS = {"router", "gate", "gating", "moe", "switch"}
+# a router's count of experts: its scores' last axis must hold that many
+_EXPERTS = ("num_experts", "num_local_experts", "n_experts", "n_routed_experts", "moe_num_experts")
 
 
-def routes(module: nn.Module | None, path: str) -> bool:
-    """Whether a top-k inside `module` is a router choosing experts: the module holds a router's
-    setting (`top_k`, `num_experts`, ...) or its class or last path segment says router or gate."""
-    if module is None:
+def _words(module: nn.Module, path: str) -> set[str]:
+    names = (type(module).__name__, path.rsplit(".", 1)[-1])
+    return {w.lower() for name in names for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)}
+
+
+def attends(module: nn.Module | None, path: str) -> bool:
+    """Whether a softmax over the last axis of a 4-D tensor inside `module` is an attention's: the
+    module says attention (`LlamaAttention`, `self_attn`, `MultiHeadSelfAttn`)."""
+    return module is not None and bool(_words(module, path) & _ATTENTION_WORDS)
+
+
+def routes(module: nn.Module | None, path: str, experts: int | None = None) -> bool:
+    """Whether a top-k over `experts` scores inside `module` is a router's choice of experts: the
+    module says router or gate (`MixtralTopKRouter`, `mlp.gate`), and where it holds a count of
+    experts (`num_experts`, ...) the scores hold that many."""
+    if module is None or not _words(module, path) & _ROUTER_WORDS:
         return False
-    return any(hasattr(module, a) for a in _ROUTER_ATTRS) or bool(
-        _ROUTER_NAME.search(type(module).__name__) or _ROUTER_NAME.search(path.rsplit(".", 1)[-1]))
+    counts = [getattr(module, a) for a in _EXPERTS if isinstance(getattr(module, a, None), int)]
+    return not counts or experts in counts

@@ -20,6 +20,7 @@ Each tensor is read the moment it is made, before any in-place change. Unit axes
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, fields, is_dataclass
 
 import torch
@@ -32,7 +33,7 @@ from actrace.format.schema import PER_UNIT_KINDS
 
 from . import derived
 from .axes import LOST, Axes, arg, op_name
-from .kinds import ACTIVATIONS, OPAQUE, SAME, function_kind, module_bounds, module_kind, routes
+from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bounds, module_kind, routes
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
 from .recurrent import readings as recurrent_readings
@@ -124,6 +125,7 @@ class ForwardTrace(TorchFunctionMode):
         self.stack: list[_Frame] = []
         self.calls: dict[str, int] = {}
         self._busy = False
+        self.failed: set[str] = set()  # scopes whose derived readings could not be computed (said once)
         self._hooks, self._paused = [], []
         self.open: Output | None = None   # the newest layer output, sunk at the next event
         self.relu: tuple | None = None    # (relu's output tensor, the Output whose pass gives its reading)
@@ -202,20 +204,38 @@ class ForwardTrace(TorchFunctionMode):
         if name == "scaled_dot_product_attention":
             self._derive(frame.path, frame.module, derived.ATTENTION,
                          lambda: derived.attention(derived.sdpa_logits(args, kwargs)))
-        elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3):
-            self._derive(frame.path, frame.module, derived.ATTENTION, lambda: derived.attention(args[0]))
-        elif name == "topk" and routes(frame.module, frame.path):
+        elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3) \
+                and attends(frame.module, frame.path):
+            self._derive(frame.path, frame.module, derived.ATTENTION,
+                         lambda: derived.attention(arg(args, kwargs, 0, "input")))
+        elif name == "topk" and isinstance(scores := arg(args, kwargs, 0, "input"), torch.Tensor) and scores.ndim \
+                and routes(frame.module, frame.path, scores.shape[-1]):
             self._derive(frame.path, frame.module, derived.ROUTER, lambda: derived.routing(args, kwargs))
 
     def _derive(self, scope: str, module, kinds: tuple[str, ...], compute) -> None:
         """Sink the derived readings `compute()` gives (kind → tensor, or None), named `SCOPE.KIND`,
-        computed only when one of them is selected."""
-        names = {kind: self._name(f"{scope}.{kind}" if scope else kind) for kind in kinds}
-        if not any(self.wanted(n, module) for n in names.values()):
+        computed only when one of them is selected; their names are taken once it gave them. What
+        cannot be computed is said once and skipped: the model's forward goes on."""
+        bases = {kind: f"{scope}.{kind}" if scope else kind for kind in kinds}
+        upcoming = {kind: self._name(base, take=False) for kind, base in bases.items()}
+        if not any(self.wanted(n, module) for n in upcoming.values()):
+            for base in bases.values():  # names count every reading, selected or not
+                self._name(base)
             return
-        for kind, t in (compute() or {}).items():
+        try:
+            tensors = compute()
+        except Exception as e:  # a model's own tensors in a form not foreseen: its forward is not ours to break
+            if scope not in self.failed:
+                self.failed.add(scope)
+                warnings.warn(f"actrace: the derived readings of {scope or 'the model'} are skipped: "
+                              f"{type(e).__name__}: {e}", stacklevel=2)
+            return
+        if not tensors:
+            return
+        names = {kind: self._name(base) for kind, base in bases.items()}
+        for kind, t in tensors.items():
             if t.numel() and self.wanted(names[kind], module):
-                self.axes.set(t, 0 if kind in PER_UNIT_KINDS else None)
+                self.axes.set(t, -1 if kind in PER_UNIT_KINDS else None)  # queries or tokens first: chunks merge
                 self._sink(names[kind], kind, None, t, module)
 
     @staticmethod
@@ -229,8 +249,11 @@ class ForwardTrace(TorchFunctionMode):
         """A parameter-free leaf module of no known kind: it may be a wrapper around one activation."""
         return frame.kind is None and frame.leaf and not any(True for _ in frame.module.parameters(recurse=False))
 
-    def _name(self, base: str) -> str:
-        n = self.calls[base] = self.calls.get(base, 0) + 1
+    def _name(self, base: str, take: bool = True) -> str:
+        """The next name of `base` in this forward (`#2`, `#3` for repeats); `take`: counted."""
+        n = self.calls.get(base, 0) + 1
+        if take:
+            self.calls[base] = n
         return base if n == 1 else f"{base}#{n}"
 
     def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False) -> Output:
