@@ -36,6 +36,8 @@ class Rules:
     """Thresholds of the findings rules (analysis options, never recorded in traces)."""
 
     max_dead: float = 0.2            # "tens of % means the layer is effectively much narrower"
+    max_dormant: float = 0.3         # units alive but barely firing (RMS ≤ τ × the layer's mean unit RMS):
+    #                                  healthy ReLU nets of the corpus reach 25 % (SGD with momentum)
     dead_growth: float = 0.2         # rise in dead fraction over the recent half of the readings: still dying
     #                                  (healthy ReLU nets lose up to 12 points early in training: attrition;
     #                                  the corpus's dying layers rise by 41 points or more)
@@ -63,7 +65,8 @@ class Rules:
     #                                  heads near one-hot on every query (random init reads ~1)
     logit_limit: float = 50.0        # the largest attention logit above this (softmax then one-hot to e^-50) ...
     logit_growth: float = 5.0        # ... and this many times its first reading, still rising
-    log_z_rise: float = 20.0         # the LM head's mean log Z this many nats above its first reading, still rising
+    log_z_rise: float = 5.0          # the LM head's mean log Z this many nats above its first reading, still
+    #                                  rising (the corpus's healthy language models drift up to 1.7)
     expert_tokens: float = 5.0       # an expert with no token, where the router's experts average this many
 
 
@@ -95,6 +98,8 @@ ADVICE = {
     "nan_inf": "find the first op that overflows: lower the LR, clip gradients, check for log(0) or 0/0",
     "dead_growing": "something keeps killing units: lower the LR, use leaky ReLU, check init variance",
     "dead_high": "a fixed capacity tax: weigh it against the validation metric; leaky ReLU or better init",
+    "dormant_units": "units that barely fire carry little and learn little (ReDo): re-initialize their incoming "
+                     "weights (recycling), lower the weight decay, or check the learning rate",
     "saturation_high": "activations hit their bounds: lower the LR or re-initialize this layer",
     "units_pinned": "units stuck at a bound for every input carry no information: lower the LR, re-initialize "
                     "this layer, or normalize its input",
@@ -157,7 +162,7 @@ def _finding(severity, rule, run, layer, step, evidence, *, score=0.0, stream="a
                    num(value), num(threshold), whole(first), whole(last), whole(index))
 
 
-_READINGS = ("step", "layer_index", "kind", "dead_fraction", "saturation_value", "saturation_unit", "mean", "std",
+_READINGS = ("step", "layer_index", "kind", "dead_fraction", "dormant_fraction", "saturation_value", "saturation_unit", "mean", "std",
              "nan_count", "inf_count", "top_unit", "top_ratio")
 
 
@@ -284,6 +289,14 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 f"every probe input at step {steps[-1]}, above {r.max_saturation_units:.0%} since "
                                 f"step {start}", score=pinned[-1], advice=advice, value=pinned[-1],
                                 threshold=r.max_saturation_units, first=start, last=steps[-1], index=index))
+        dormant = g["dormant_fraction"]
+        since = held_since(dormant > r.max_dormant, 1.0)
+        if since is not None:
+            out.append(_finding("warning", "dormant_units", run, layer, steps[since],
+                                f"{dormant[-1]:.0%} of units alive but dormant (RMS at most {th.dormant_tau:g}× the "
+                                f"layer's mean unit RMS) at step {steps[-1]}, above {r.max_dormant:.0%} since step "
+                                f"{steps[since]}", score=dormant[-1], value=dormant[-1], threshold=r.max_dormant,
+                                first=steps[since], last=steps[-1], index=index))
         massive = _massive(run, layer, g, r, index)
         if massive:
             out.append(massive)
@@ -363,10 +376,9 @@ def _signal_findings(series: pl.DataFrame, units: pl.DataFrame, r: Rules) -> lis
     for run, layer, index, steps, g in _streams(units, "expert_load", (pl.col("mean") * pl.col("count")).alias("tokens"),
                                                 pl.col("unit").alias("expert")):
         tokens = np.vstack(g["tokens"].to_numpy())  # [step, expert]
-        if tokens.mean(1)[-1] < r.expert_tokens:
-            continue  # too few probe tokens per expert to tell
-        for e in np.flatnonzero(tokens[-1] == 0):
-            since = held_since(tokens[:, e] == 0, 1.0)
+        enough = tokens.mean(1) >= r.expert_tokens  # else too few probe tokens per expert to tell
+        for e in np.flatnonzero((tokens[-1] == 0) & enough[-1]):
+            since = held_since((tokens[:, e] == 0) & enough, 1.0)
             out.append(_finding("warning", "dead_expert", run, layer, steps[since],
                                 f"expert {g['expert'][-1][int(e)]} got no probe token at step {steps[-1]} (the others "
                                 f"{int(np.delete(tokens[-1], e).min())} to {int(tokens[-1].max())}), none since step "

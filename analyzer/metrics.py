@@ -21,29 +21,33 @@ from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING
                                    minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
 
-METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "sparsity",
+METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "dormant_fraction",
+                  "sparsity",
                   "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
 EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint", "top_unit",
-                 "top_ratio"]
+                 "top_ratio", "kurtosis"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
-         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count"]
+         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count", "unit_sumsq", "sum3", "sum4"]
 _TOL = 1e-12
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Analysis thresholds: ε for death, t for saturation (spec §Metrics)."""
+    """Analysis thresholds: ε for death, t for saturation, τ for dormancy (spec §Metrics)."""
 
     dead_eps: float = 0.0
     sat_threshold: float = 0.99
+    dormant_tau: float = 0.1
 
     def __post_init__(self):
         if self.dead_eps < 0:
             raise ValueError(f"--dead-eps must be ≥ 0, got {self.dead_eps}")
         if not 0 < self.sat_threshold < 1:
             raise ValueError(f"--sat-threshold must lie in (0, 1), got {self.sat_threshold}")
+        if not 0 < self.dormant_tau < 1:
+            raise ValueError(f"--dormant-tau must lie in (0, 1), got {self.dormant_tau}")
 
 
 UPPER_ONLY = [kind for kind, sides in SATURATING_SIDES.items() if sides == ("hi",)]  # ReLU6, softmax
@@ -99,7 +103,31 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
             pinned = np.where(upper_rows, upper, both)
     pinned[np.isnan(b_lo)] = np.nan
     top, ratio = _top_units(np.fmax(np.abs(lo), np.abs(hi)), starts, nulls)
-    return {"dead_units": dead, "pinned_units": pinned, "top_unit": top, "top_ratio": ratio}
+    return {"dead_units": dead, "pinned_units": pinned, "top_unit": top, "top_ratio": ratio,
+            "dormant_units": _dormant(table, th, (lo >= -th.dead_eps) & (hi <= th.dead_eps), starts, nulls)}
+
+
+def _dormant(table: pa.Table, th: Thresholds, dead: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> np.ndarray:
+    """Per row: units alive but dormant (spec §Metrics): RMS sqrt(unit_sumsq / unit_count) at most τ
+    times the mean RMS of the layer's units with a finite value but its largest tenth (an outlier
+    feature would make every other unit read dormant); NaN where there are no lists. Rows of one
+    width at a time, as a 2-D array sorted along its units."""
+    squares = _flat(table["unit_sumsq"])[0]
+    counts = _flat(table["unit_count"])[0].astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.sqrt(squares / counts)  # NaN for a unit of no finite value
+    lengths = np.diff(np.append(starts, len(rms)))
+    reference = np.full(len(starts), np.nan)
+    for width in np.unique(lengths[~nulls]):
+        which = np.flatnonzero(~nulls & (lengths == width))
+        block = np.sort(np.take(rms, (starts[which, None] + np.arange(width)).ravel()).reshape(len(which), width))
+        valid = (~np.isnan(block)).sum(1)  # NaN sorts last
+        kept = valid - valid // 10
+        total = np.cumsum(np.nan_to_num(block), axis=1)[np.arange(len(which)), np.maximum(kept - 1, 0)]
+        reference[which] = np.where(kept > 0, total / np.maximum(kept, 1), np.nan)
+    with np.errstate(invalid="ignore"):
+        dormant = ~np.isnan(rms) & ~dead & (rms <= th.dormant_tau * np.repeat(reference, lengths))
+    return _count_per_row(dormant, starts, nulls)
 
 
 def _top_units(absmax: np.ndarray, starts: np.ndarray, nulls: np.ndarray, fewest: int = 8):
@@ -173,16 +201,35 @@ def moments() -> list[pl.Expr]:
     return [mean.alias("mean"), pl.when(n > 0).then(pl.max_horizontal(var, pl.lit(0.0)).sqrt()).alias("std")]
 
 
+KURTOSIS_ERROR = 0.05  # the most the float32 rounding of the power sums may move a kurtosis
+
+
+def kurtosis() -> pl.Expr:
+    """m4 / var² from the raw power sums (spec §Metrics): 3 for a normal distribution, far above for
+    heavy tails; null where the fourth powers were not recorded, the variance is 0, or the mean
+    stands so far from 0 that the sums' float32 rounding (2⁻²⁴ of each term) could move it by more
+    than KURTOSIS_ERROR (|mean| beyond ~15 std): said as unknown, never as a wrong number."""
+    n = _finite_n().cast(pl.Float64)
+    mu, s2, s3, s4 = pl.col("sum") / n, pl.col("sumsq") / n, pl.col("sum3") / n, pl.col("sum4") / n
+    var = s2 - mu ** 2
+    m4 = s4 - 4 * mu * s3 + 6 * mu ** 2 * s2 - 3 * mu ** 4
+    rounding = 2.0 ** -24 * (s4 + 4 * (mu * s3).abs() + 6 * mu ** 2 * s2 + 3 * mu ** 4)
+    return pl.when((n > 0) & (var > 0) & (rounding < KURTOSIS_ERROR * var ** 2)).then(
+        pl.max_horizontal(m4, pl.lit(0.0)) / var ** 2).alias("kurtosis")
+
+
 def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.LazyFrame:
     """One row per activation-like reading (activation and activation_grad streams)."""
     return lf.filter(pl.col("stream").is_in(["activation", "activation_grad"])).select(
         "run", "layer", "layer_index", "kind", "stream", "step", "units", "mode", "probe_fingerprint",
-        (pl.col("dead_units") / pl.col("units")).alias("dead_fraction"), sparsity(),
+        (pl.col("dead_units") / pl.col("units")).alias("dead_fraction"),
+        (pl.col("dormant_units") / pl.col("units")).alias("dormant_fraction"), sparsity(),
         saturation_value(th.sat_threshold, bound_pairs),
         (pl.col("pinned_units") / pl.col("units")).alias("saturation_unit"), *moments(), "min", "max",
         l2_norm(pl.col("sumsq"), pl.col("nan_count") + pl.col("inf_count")).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
         "nan_count", "inf_count", _finite_n().alias("values"), pl.col("top_unit").cast(pl.Int64), "top_ratio",
+        kurtosis(),
     )
 
 
@@ -209,7 +256,7 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
 
 
 _BOUNDED_ONLY = ("unit_min_dev", "hist", "sat_counts")  # read only from files with bounded layers
-_PER_UNIT = ("unit_sum", "unit_count")  # read only from files with per-head or per-expert readings
+_PER_UNIT = ("unit_sum",)  # read only from files with per-head or per-expert readings
 UNIT_LISTS = ("unit_sum", "unit_count", "unit_min", "unit_max")  # kept in the rows of those readings only
 
 
@@ -244,7 +291,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     for name in UNIT_LISTS:
         table = table.set_column(table.column_names.index(name), name,
                                  pc.if_else(keep, table[name], pa.nulls(len(table), table[name].type)))
-    table = table.drop_columns(["unit_min_dev"])
+    table = table.drop_columns(["unit_min_dev", "unit_sumsq"])
     df = pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
     unique = df.unique(subset=list(READING_KEY), keep="last", maintain_order=True)
     if unique.height < df.height:  # spec §Validity: one reading per key; the last written stands
