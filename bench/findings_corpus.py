@@ -115,6 +115,15 @@ PATHOLOGICAL = [
          rules=("nan_inf",), layers=("transformer.h.1.mlp.c_fc",), at=K + 11),
     Case("dead-then-diverge", "mlp", "adam", 1e-3, inject=("ramp", 60, dict(rate=1.05)),
          rules=("dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
+    # spec 1.3: units made to barely fire (not dead), attention and output logits grown step by step
+    Case("dormant-relu2", "mlp", inject=("grow", K, dict(modules=["fc2"], rate=0.8, units=40)),
+         rules=("dormant_units",), layers=("relu2", "fc2"), at=K, window=True),
+    Case("qk-growth-llama", "llama", "adamw", 2e-3, inject=("grow", K, dict(modules=[
+        f"model.layers.1.self_attn.{p}_proj" for p in "qk"], rate=1.03)),
+         rules=("attention_logit_growth", "attention_entropy_collapse"), layers=("model.layers.1.self_attn.*",),
+         at=K, window=True),
+    Case("logit-drift-gpt2", "gpt2", "adamw", 2e-3, inject=("grow", K, dict(modules=["transformer.ln_f"], rate=1.04)),
+         rules=("logit_divergence",), layers=("lm_head.*",), at=K, window=True),
 ]
 CASES = _healthy() + PATHOLOGICAL
 
@@ -255,7 +264,7 @@ def _inject(torch, case: Case, step: int, model, opt, base_lrs) -> None:
     if not case.inject:
         return
     what, at, o = case.inject
-    if step < at or (step > at and what != "ramp"):
+    if step < at or (step > at and what not in ("ramp", "grow")):
         return
     with torch.no_grad():
         if what == "bias":
@@ -264,9 +273,12 @@ def _inject(torch, case: Case, step: int, model, opt, base_lrs) -> None:
             rows = slice(0, o.get("units")) if "gate" not in o else \
                 slice(o["gate"] * module.hidden_size, (o["gate"] + 1) * module.hidden_size)
             bias[rows] = bias[rows] + o["value"] if o.get("add") or "gate" in o else o["value"]
-        elif what == "scale":
-            for name in o["modules"]:
-                model.get_submodule(name).weight.mul_(o["factor"])
+        elif what in ("scale", "grow"):  # the first `units` output units, or all; a growth at every step,
+            for name in o["modules"]:    # whatever training does: logits grow, units fade
+                module = model.get_submodule(name)
+                for p in (module.weight, getattr(module, "bias", None)):
+                    if p is not None:
+                        p[: o.get("units")].mul_(o["factor"] if what == "scale" else o["rate"])
         elif what == "nan":
             model.get_submodule(o["module"]).weight.view(-1)[0] = o.get("value", math.nan)
         elif what == "lr":

@@ -1,8 +1,11 @@
-"""Shared fixtures: paths of the spec and its golden examples, and a runner for the CLI."""
+"""Shared fixtures: paths of the spec and its golden examples, a runner for the CLI, a report in
+headless Chromium."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,9 @@ EXAMPLES = SPEC / "examples"
 # Seconds after which a child process or a page is taken to be hung, not slow: the limits only stop
 # a hang, so they leave room for a loaded two-core CI machine (the demo alone takes ~20 s idle).
 HUNG = 1800
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def run_cli(*args: str, cwd=None, timeout: float = HUNG) -> subprocess.CompletedProcess:
@@ -24,3 +30,22 @@ def run_cli(*args: str, cwd=None, timeout: float = HUNG) -> subprocess.Completed
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@contextmanager
+def rendered(html: Path, chart: str):
+    """(page, script errors so far) of the report `html` in headless Chromium, once its chart
+    `chart` has drawn its cells."""
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(html.as_uri())
+            page.wait_for_selector(f"#{chart} svg .mark-rect", state="attached", timeout=HUNG * 1000)
+            yield page, errors
+        finally:
+            browser.close()

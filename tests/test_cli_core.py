@@ -12,7 +12,7 @@ def test_validate_passes_the_valid_examples_and_skips_a_crashed_writers_lock(cli
     res = cli("validate", *sorted(EXAMPLES.glob("valid-*")))
     assert res.returncode == 0, res.stdout + res.stderr
     traces = [p for p in EXAMPLES.glob("valid-*") if not p.name.endswith(".lock")]
-    assert (EXAMPLES / "valid-crashed.parquet.lock").exists() and res.stdout.count(": valid") == len(traces) == 5
+    assert (EXAMPLES / "valid-crashed.parquet.lock").exists() and res.stdout.count(": valid") == len(traces) == 6
 
 
 def test_validate_fails_with_a_line_per_problem_and_no_traceback(cli):

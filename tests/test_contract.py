@@ -70,6 +70,10 @@ def assert_same(got: Reading, want: Reading, x: np.ndarray, axis) -> None:
     for name, square in (("unit_sum", False), ("unit_sumsq", True)):
         bound = cascade_error(x.astype(np.float32) if x.dtype.itemsize < 4 else x, axis, square)
         assert np.all(np.abs(getattr(got, name) - getattr(want, name)) <= bound), name
+    clean = np.abs(np.where(np.isfinite(x), x, 0).astype(np.float64))
+    for name, power in (("sum3", 3), ("sum4", 4)):  # float32 lanes as for the sums, and each power's rounding
+        assert abs(getattr(got, name) - getattr(want, name)) <= (64 + 4) * 2.0 ** -24 * (clean ** power).sum() \
+            + 1e-6, name
 
 
 # --- the backends: (values, unit axis, kind, halves) -> Reading ---------------------------------

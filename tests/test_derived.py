@@ -41,18 +41,22 @@ def per_unit(rows: pl.DataFrame, layer: str, column: str = "mean", step: int = 0
 
 def test_the_per_head_numbers_of_known_scores():
     """Head 0 one-hot on key 1 (entropy 0, no mass on the first key), head 1 uniform over 4 keys
-    (entropy 1, mass 1/4 on the first), a masked key left out of every number."""
+    (entropy 1, mass 1/4 on the first), a masked key left out of every number; a NaN score is read
+    as NaN in every number of its query."""
     logits = torch.zeros(1, 2, 1, 5)
     logits[0, 0, 0, 1] = 1000.0
     logits[..., 4] = -math.inf
     got = attention(logits)
-    assert got["attention_logit"].shape == (2, 4) and got["attention_logit"].amax(1).tolist() == [1000.0, 0.0]
-    assert got["attention_entropy"][:, 0].tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
-    assert got["attention_sink"][:, 0].tolist() == pytest.approx([0.0, 0.25])
+    assert got["attention_logit"].tolist() == [[1000.0, 0.0]]  # each query's largest logit, per head
+    assert got["attention_entropy"][0].tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
+    assert got["attention_sink"][0].tolist() == pytest.approx([0.0, 0.25])
     additive = torch.zeros(1, 1, 2, 3)
     additive[0, 0, 0, 1:] = torch.finfo(torch.float32).min  # query 0 sees key 0 only: no entropy, all mass on it
     got = attention(additive)
-    assert got["attention_entropy"].shape == (1, 1) and got["attention_sink"][0].tolist() == pytest.approx([1.0, 1 / 3])
+    assert got["attention_entropy"].shape == (1, 1) and got["attention_sink"][:, 0].tolist() == pytest.approx([1.0, 1 / 3])
+    logits[0, 1, 0, 2] = math.nan
+    got = attention(logits)
+    assert [math.isnan(got[k][0, 1]) for k in ("attention_logit", "attention_entropy", "attention_sink")] == [True] * 3
 
 
 def llama(impl):
@@ -199,7 +203,7 @@ def test_a_router_counts_the_tokens_each_expert_got_and_an_expert_never_chosen_r
     tokens = np.bincount(chosen.reshape(-1).numpy(), minlength=4)
     assert tokens[3] == 0
     load = rows.filter(pl.col("kind") == "expert_load").row(0, named=True)
-    assert load["layer"] == "expert_load" or load["layer"].endswith("expert_load")
+    assert load["layer"] == "expert_load"  # the model is the router: no scope
     assert load["units"] == 4 and load["unit_sum"] == tokens.tolist()
     prob = per_unit(rows, rows.filter(pl.col("kind") == "router_prob")["layer"][0])
     with torch.no_grad():
@@ -217,6 +221,7 @@ def test_mixtral_counts_the_tokens_its_own_router_sends_each_expert(tmp_path):
         model(ids)
     for h in hooks:
         h.remove()
+    assert len(chosen) == 2  # one router a layer
     rows = record(model, ids, tmp_path / "x.parquet")
     for name, indices in chosen.items():
         load = rows.filter(pl.col("layer") == f"{name}.expert_load").row(0, named=True)
@@ -289,11 +294,7 @@ def test_a_growing_lm_head_raises_logit_divergence_and_a_router_that_never_picks
 def test_the_report_draws_every_head_over_steps_and_names_the_collapsed_layer(tmp_path):
     """A Llama whose layer 1 q/k grow: the report's heads section draws one row per head (8) in
     Chromium without a script error, and its findings name that layer's collapse."""
-    import shutil
-
-    from playwright.sync_api import sync_playwright
-
-    from conftest import HUNG, run_cli
+    from conftest import rendered, run_cli
 
     torch.manual_seed(0)
     model = llama("sdpa")
@@ -301,17 +302,176 @@ def test_the_report_draws_every_head_over_steps_and_names_the_collapsed_layer(tm
                     grow=lambda step: scale(model, "1", ("q_proj.weight", "k_proj.weight"), 20.0 if step == 0 else 1.6))
     res = run_cli("report", tmp_path / "qk.parquet", "-o", tmp_path / "r.html")
     assert res.returncode == 0, res.stderr
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
-                                    args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page()
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto((tmp_path / "r.html").as_uri())
-        page.wait_for_selector("#heads svg .mark-rect", state="attached", timeout=HUNG * 1000)
+    with rendered(tmp_path / "r.html", "heads") as (page, errors):
         labels = page.eval_on_selector_all("#heads svg .role-axis-label text", "els => els.map(e => e.textContent)")
         text = page.inner_text("body")
-        browser.close()
     assert errors == []
     assert {f"model.layers.{i}.self_attn · head {h}" for i in (0, 1) for h in range(4)} <= set(labels)
     assert "attention_entropy_collapse" in text and "Attention heads × steps" in text
+
+
+@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+def test_kurtosis_is_torchs_own_and_a_massive_unit_makes_the_tails_heavy(tmp_path, where, monkeypatch):
+    """The kurtosis of each of a Llama's layer outputs from the trace's power sums equals the one
+    torch computes from the tensor (float64, central); one unit of a layer made ×1000 lifts that
+    layer's far above a normal's 3. On the fused kernel and on torch's own ops."""
+    from actrace.analyzer.metrics import metrics
+    from actrace.reduce import kernel
+
+    if where == "torch-ops":
+        monkeypatch.setattr(kernel, "available", False)
+    torch.manual_seed(0)
+    model = llama("sdpa").eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[7] *= 1000.0
+    ids = torch.randint(0, 64, (4, 12))
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, name=name: seen.__setitem__(name, o.detach().double()))
+             for name, m in model.named_modules() if name.endswith(("down_proj", "gate_proj"))]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    record(model, ids, tmp_path / "k.parquet")
+    m = metrics(tmp_path / "k.parquet")
+    for name, x in seen.items():
+        truth = float(((x - x.mean()) ** 4).mean() / x.var(unbiased=False) ** 2)
+        got = m.filter(pl.col("layer") == name)["kurtosis"].item()
+        assert got == pytest.approx(truth, rel=1e-4), name
+    assert m.filter(pl.col("layer") == "model.layers.1.mlp.down_proj")["kurtosis"].item() > 10
+    assert m.filter(pl.col("layer") == "model.layers.0.mlp.down_proj")["kurtosis"].item() < 10
+
+
+def test_units_made_to_barely_fire_are_dormant_not_dead_and_a_healthy_layer_has_none(tmp_path):
+    """A ReLU layer whose first 24 of 64 units had their incoming weights and biases ×0.01: those
+    units still fire (not dead) but at ~1 % of the others' RMS: dormant fraction 24/64, named by
+    `dormant_units`; the untouched layer reads none dormant."""
+    from actrace.analyzer import analyze
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[2].weight[:24] *= 0.01
+        model[2].bias[:24] = model[2].bias[:24].abs() * 0.01
+    out = tmp_path / "d.parquet"
+    with Monitor(model, torch.randn(256, 16), out, grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    a = analyze([out])
+    m = a.metrics.filter(pl.col("step") == 2)
+    relu = dict(zip(m["layer"], zip(m["dormant_fraction"], m["dead_fraction"])))
+    assert relu["3"][0] == pytest.approx(24 / 64) and relu["3"][1] < 24 / 64
+    assert relu["1"][0] == 0
+    found = [f for f in a.findings if f.rule == "dormant_units"]
+    assert {f.layer for f in found} == {"2", "3"} and all(f.step == 0 for f in found)
+
+
+def _tricky_scores(case: str) -> torch.Tensor:
+    """Scores `[2, 3, 5, 6]` as attentions make them: plain, causal by the dtype's lowest (HF eager),
+    by −inf, left-padded (key 0 and 1 of the second sequence masked), one query fully masked, a NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, generator=g) * 4
+    if case == "causal-min":
+        x = x + torch.full((5, 6), torch.finfo(torch.float32).min).triu(2)
+    elif case == "causal-inf":
+        x = x.masked_fill(torch.ones(5, 6, dtype=torch.bool).triu(2), -math.inf)
+    elif case == "left-padded":
+        x[1, :, :, :2] = torch.finfo(torch.float32).min
+    elif case == "query-masked":
+        x[0, :, 2, :] = -math.inf
+    elif case == "nan":
+        x[1, 2, 3, 4] = math.nan
+    elif case == "peaked":
+        x[:, :, :, 3] += 2000.0  # one key far above: exponents that underflow
+    return x
+
+
+@pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked"])
+def test_the_fast_per_head_numbers_are_the_numpy_definitions(case):
+    """The PyTorch adapter's fast path (a hand-taken softmax in a reused buffer, entropy as log Z
+    minus the expected logit) gives the core's numpy definition (spec §Derived readings)."""
+    from actrace.reduce import derived as definition
+
+    x = _tricky_scores(case)
+    fast, want = attention(x), definition.attention(x.numpy())
+    for kind in definition.ATTENTION:
+        assert fast[kind].shape == want[kind].shape, kind
+        np.testing.assert_allclose(fast[kind].numpy(), want[kind], rtol=1e-5, atol=1e-5, err_msg=kind)
+
+
+def test_a_probe_read_in_chunks_gives_the_derived_readings_of_the_whole(tmp_path):
+    """Queries and tokens come first in every derived tensor, so the chunks of a probe merge into
+    what the whole probe gives (spec §Columns, merge): a Mixtral on 5 sequences, in chunks of 2."""
+    torch.manual_seed(0)
+    model = mixtral("eager")
+    ids = torch.randint(0, 64, (5, 10))
+    whole = record(model, ids, tmp_path / "whole.parquet")
+    chunked = record(model, ids, tmp_path / "chunks.parquet", probe_chunk=2)
+    assert whole.height == chunked.height > 0
+    for a, b in zip(whole.sort("layer").iter_rows(named=True), chunked.sort("layer").iter_rows(named=True)):
+        assert (a["layer"], a["shape"], a["count"], a["unit_count"]) == (b["layer"], b["shape"], b["count"],
+                                                                          b["unit_count"])
+        for col in ("unit_sum", "unit_min", "unit_max"):
+            np.testing.assert_allclose(a[col], b[col], rtol=1e-5, atol=1e-6, err_msg=f"{a['layer']} {col}")
+
+
+def test_a_key_one_head_masks_is_left_out_of_every_heads_numbers():
+    """Head 0 masks key 2, where head 1 scores far above its other keys: key 2 is left out for both
+    (spec §Derived readings), so head 1's largest logit, entropy and first-key mass are those of
+    keys 0, 1 and 3 alone, in the fast path as in the definition."""
+    from actrace.reduce import derived as definition
+
+    x = torch.tensor([[[[1.0, 2.0, 0.0, 0.5]], [[0.3, 0.1, 200.0, 0.2]]]])
+    x[0, 0, 0, 2] = torch.finfo(torch.float32).min
+    live = torch.tensor([0.3, 0.1, 0.2])
+    p = torch.softmax(live, 0)
+    for got in (attention(x), {k: torch.as_tensor(v) for k, v in definition.attention(x.numpy()).items()}):
+        assert float(got["attention_logit"][0, 1]) == pytest.approx(0.3)
+        assert float(got["attention_entropy"][0, 1]) == pytest.approx(float(-(p * p.log()).sum() / math.log(3)), rel=1e-5)
+        assert float(got["attention_sink"][0, 1]) == pytest.approx(float(p[0]), rel=1e-5)
+
+
+@pytest.mark.parametrize("offset, known", [(3.0, True), (100.0, False)])
+def test_a_kurtosis_the_power_sums_cannot_give_is_unknown_not_wrong(tmp_path, offset, known):
+    """Values of a normal distribution moved off 0 (the fused kernel's float32 lanes): 3 std off, the
+    kurtosis is the normal's 3; 100 std off, the raw sums cancel below their rounding, and the
+    kurtosis is null rather than a wrong number (spec §Metrics)."""
+    import actrace
+    from actrace.analyzer.metrics import metrics
+
+    x = np.random.default_rng(0).standard_normal((4096, 16)).astype(np.float32) + offset
+    with actrace.Writer(tmp_path / "k.parquet", run="k") as w:
+        w.record_activation(0, "h", x, kind="linear")
+    got = metrics(tmp_path / "k.parquet")["kurtosis"].item()
+    assert (got == pytest.approx(3.0, abs=0.15)) if known else got is None
+
+
+def test_only_attentions_and_routers_give_derived_readings_and_a_keyword_softmax_is_read(tmp_path):
+    """A segmentation head's softmax over classes (4-D, last axis) is no attention, a retrieval's
+    top-k of neighbours no router: neither gives a derived reading; an attention calling
+    `torch.softmax(input=..., dim=-1)` by keyword is read."""
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Linear(8, 16)
+
+        def forward(self, x):
+            q, k = self.qk(x).view(x.shape[0], x.shape[1], 2, 8).unbind(2)
+            scores = (q @ k.transpose(-2, -1))[:, None] / 8 ** 0.5
+            return torch.softmax(input=scores, dim=-1).squeeze(1) @ x
+
+    class Segmenter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.top_k = nn.Conv2d(3, 5, 1), 3
+
+        def forward(self, x):
+            classes = torch.softmax(self.conv(x).permute(0, 2, 3, 1), -1)
+            return classes.flatten(1, 2).topk(self.top_k, dim=-1).values.sum() + classes.sum()
+
+    torch.manual_seed(0)
+    rows = record(Segmenter(), torch.randn(2, 3, 6, 6), tmp_path / "s.parquet")
+    assert rows.height == 0
+    rows = record(SelfAttention(), torch.randn(2, 5, 8), tmp_path / "a.parquet")
+    assert sorted(rows["layer"]) == ["attention_entropy", "attention_logit", "attention_sink"]

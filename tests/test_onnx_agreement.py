@@ -279,3 +279,21 @@ def test_a_hugging_face_bert_and_its_export_agree_by_name(tmp_path, dynamo):
         assert (t["kind"], t["units"], t["count"]) == (b["kind"], b["units"], b["count"]), name
         for col in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
             np.testing.assert_allclose(b[col], t[col], rtol=1e-4, atol=1e-4, err_msg=f"{name} {col}")
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_an_exported_attention_reads_the_same_heads_as_pytorch(tmp_path, dynamo):
+    """The encoder's attention: PyTorch recomputes its scores from nn.MultiheadAttention's
+    projections, ONNX Runtime gives the export's Softmax input; both read each head's largest
+    logits, entropy and first-key mass under the same names, and agree (spec §Derived readings)."""
+    paths = record_both(tmp_path, *MODELS["encoder"], dynamo)
+    derived = {run: {r["layer"]: r for r in actrace.read_table(p).to_pylist() if r["kind"].startswith("attention_")}
+               for run, p in zip(("torch", "onnx"), paths)}
+    names = {f"layer.self_attn.{k}" for k in ("attention_logit", "attention_entropy", "attention_sink")}
+    assert set(derived["torch"]) == set(derived["onnx"]) == names
+    for name in names:
+        t, o = derived["torch"][name], derived["onnx"][name]
+        assert (t["units"], t["count"], t["unit_count"]) == (o["units"], o["count"], o["unit_count"]) == (
+            2, t["count"], t["unit_count"]), name
+        for col in ("unit_sum", "unit_min", "unit_max"):
+            np.testing.assert_allclose(o[col], t[col], rtol=1e-4, atol=1e-5, err_msg=f"{name} {col}")

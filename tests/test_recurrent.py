@@ -20,7 +20,6 @@ from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
-from conftest import HUNG
 
 
 def _gates(cell, x, h, w_ih, w_hh, b_ih, b_hh):
@@ -322,9 +321,7 @@ def test_pytorch_and_onnx_agree_gate_by_gate(tmp_path, dynamo):
 
 
 def test_the_report_groups_a_recurrent_layers_readings_and_opens_on_the_pinned_gate(tmp_path, cli):
-    from playwright.sync_api import sync_playwright
-
-    from test_report import CHROMIUM, LAUNCH_ARGS
+    from conftest import rendered
 
     torch.manual_seed(0)
     train(Tagger(), tmp_path / "healthy.parquet")
@@ -332,16 +329,9 @@ def test_the_report_groups_a_recurrent_layers_readings_and_opens_on_the_pinned_g
     train(Tagger(forget_bias=6.0), tmp_path / "forget-open.parquet")
     res = cli("report", tmp_path / "healthy.parquet", tmp_path / "forget-open.parquet", "-o", tmp_path / "r.html")
     assert res.returncode == 0, res.stderr
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        page = browser.new_page()
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto((tmp_path / "r.html").as_uri())
-        page.wait_for_selector("#recurrent svg .mark-rect", state="attached", timeout=HUNG * 1000)
+    with rendered(tmp_path / "r.html", "recurrent") as (page, errors):
         chosen = page.eval_on_selector("#recurrent select", "s => s.value")
         rows = page.inner_text("#recurrent")
-        browser.close()
     assert errors == [] and chosen == "forget-open"
     names = ["lstm.l0.input_gate", "lstm.l0.forget_gate", "lstm.l0.cell_gate", "lstm.l0.output_gate", "lstm.l0",
              "lstm.l0.h_n"]  # the cell state is unbounded: no saturation to draw

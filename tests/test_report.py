@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -10,12 +9,9 @@ import numpy as np
 
 import actrace
 from traces import relu_layer, write_run
-from conftest import HUNG
+from conftest import CHROMIUM, HUNG, LAUNCH_ARGS
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<img src=x onerror=alert(1)></script><b>"
-LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,15 @@ most urgent finding with an overview of runs × rules, a click on a cell opens t
 chart and in the diff view, and a filter narrows the runs by name or config."""
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
 
-from conftest import HUNG, ROOT, run_cli
+from conftest import CHROMIUM, HUNG, LAUNCH_ARGS, ROOT, run_cli
 
 sys.path.insert(0, str(ROOT / "bench"))
 from fleet import write_fleet  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
