@@ -169,8 +169,9 @@ def test_every_clamp_has_one_name_kind_and_bounds_in_both(tmp_path, dynamo):
 def test_onnx_names_are_the_module_paths(tmp_path, dynamo):
     paths = record_both(tmp_path, *MODELS["encoder"], dynamo)
     names = [r["layer"] for r in actrace.read_table(paths[1]).to_pylist()]
-    assert names == ["layer.self_attn", "layer.norm1", "layer.linear1", "layer.gelu", "layer.linear2",
-                     "layer.norm2", "head"]
+    heads = [f"layer.self_attn.{k}" for k in ("attention_logit", "attention_entropy", "attention_sink")]
+    assert names == [*heads, "layer.self_attn", "layer.norm1", "layer.linear1", "layer.gelu", "layer.linear2",
+                     "layer.norm2", "head"]  # the attention's scores come before its output projection
 
 
 def test_dead_and_saturated_units_read_the_same_in_both(tmp_path):
