@@ -79,9 +79,9 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
     n_layers = len(order)
     height = min(max(12 * n_layers, 160), 1800)
     charts = []
-    for column, title, colour, why in metrics:
-        if column not in df.columns or df[column].is_null().all():
-            continue
+    drawn_metrics = [m for m in metrics if m[0] in df.columns and not df[m[0]].is_null().all()]
+    width = 260 if len(drawn_metrics) <= 3 else 180  # four panels and their legends fit a page's width
+    for column, title, colour, why in drawn_metrics:
         log = column in LOG_COLUMNS
         data = _plottable(df, column)
         scale = alt.Scale(type="log", scheme="blues") if log else alt.Scale(domain=[0, 1], range=["#f7f7f7", colour])
@@ -96,7 +96,7 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
         note = alt.Chart(pl.DataFrame({"run": empty, "note": [why] * len(empty)}, schema={
             "run": pl.String, "note": pl.String})).mark_text(fontSize=12, color="#666", lineBreak="|").encode(
             text="note:N", x=alt.value(130), y=alt.value(height / 2)).transform_filter(alt.datum.run == run)
-        charts.append(alt.layer(rects, note).properties(title=title, width=260, height=height))
+        charts.append(alt.layer(rects, note).properties(title=title, width=width, height=height))
     shown = [c for c, *_ in metrics if c in df.columns]
     columns = ["run", "layer", "step"] + shown + [t.split(":")[0] for c in shown for t in TOOLTIPS.get(c, [])]
     return alt.hconcat(*charts, data=inline(df.select(columns))).add_params(run).resolve_scale(color="independent")

@@ -196,7 +196,7 @@ def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
                        ("saturation_value", "saturation (values)", "#d94801",
                         "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
                        ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)"),
-                       ("top_ratio", "largest unit ÷ median unit", "", "no layer of 8 units or more in this run")],
+                       ("top_ratio", "largest ÷ median unit", "", "no layer of 8 units or more in this run")],
                        c.menu_runs, default_run=c.focus.run if c.focus else c.baseline))
 
 
