@@ -162,8 +162,8 @@ def _finding(severity, rule, run, layer, step, evidence, *, score=0.0, stream="a
                    num(value), num(threshold), whole(first), whole(last), whole(index))
 
 
-_READINGS = ("step", "layer_index", "kind", "dead_fraction", "dormant_fraction", "saturation_value", "saturation_unit", "mean", "std",
-             "nan_count", "inf_count", "top_unit", "top_ratio")
+_READINGS = ("step", "layer_index", "kind", "dead_fraction", "dormant_fraction", "saturation_value", "saturation_unit",
+             "mean", "std", "nan_count", "inf_count", "top_unit", "top_ratio")
 
 
 def _per_layer(m: pl.DataFrame, stream: str):

@@ -17,19 +17,19 @@ import pyarrow.compute as pc
 
 from actrace.format import bins
 from actrace.files.reader import TraceError, read_source, trace_sources
-from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS, SATURATING_SIDES, SPEC_VERSION, STREAMS,
-                                   minor_version, sat_margin)
+from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS,
+                                   SATURATING_SIDES, SPEC_VERSION, STREAMS, minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "dormant_fraction",
-                  "sparsity",
-                  "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
+                  "sparsity", "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
 EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint", "top_unit",
                  "top_ratio", "kurtosis"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
-         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count", "unit_sumsq", "sum3", "sum4"]
+         "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count",
+         "unit_sumsq", "sum3", "sum4"]
 _TOL = 1e-12
 
 
@@ -78,8 +78,8 @@ def _count_per_row(mask: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> n
 
 
 def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
-    """Per row: units dead at ε (max |h| <= ε) and units pinned at threshold t on the kind's
-    saturating side(s) (spec §Metrics).
+    """Per row: units dead at ε (max |h| <= ε), units pinned at threshold t on the kind's
+    saturating side(s), the outlier unit and its ratio, and units dormant at τ (spec §Metrics).
 
     Computed on the flattened per-unit lists in one numpy pass each, which is what makes many
     traces fast to analyze; a NaN unit is neither dead nor pinned.
@@ -87,7 +87,8 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
     lo, starts, nulls = _flat(table["unit_min"])
     hi = _flat(table["unit_max"])[0]
     with np.errstate(invalid="ignore"):
-        dead = _count_per_row((lo >= -th.dead_eps) & (hi <= th.dead_eps), starts, nulls)
+        is_dead = (lo >= -th.dead_eps) & (hi <= th.dead_eps)
+        dead = _count_per_row(is_dead, starts, nulls)
         dev, dev_starts, _ = _flat(table["unit_min_dev"])
         b_lo = table["bound_lo"].to_numpy(zero_copy_only=False)
         b_hi = table["bound_hi"].to_numpy(zero_copy_only=False)
@@ -104,7 +105,20 @@ def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
     pinned[np.isnan(b_lo)] = np.nan
     top, ratio = _top_units(np.fmax(np.abs(lo), np.abs(hi)), starts, nulls)
     return {"dead_units": dead, "pinned_units": pinned, "top_unit": top, "top_ratio": ratio,
-            "dormant_units": _dormant(table, th, (lo >= -th.dead_eps) & (hi <= th.dead_eps), starts, nulls)}
+            "dormant_units": _dormant(table, th, is_dead, starts, nulls)}
+
+
+def _by_width(values: np.ndarray, starts: np.ndarray, rows: np.ndarray):
+    """(row indices, width, their units as a [rows, width] array) for each width among the rows
+    `rows` selects: a view of `values` where every row is that wide, else a gathered copy."""
+    lengths = np.diff(np.append(starts, len(values)))
+    for width in np.unique(lengths[rows]):
+        which = np.flatnonzero(rows & (lengths == width))
+        if len(which) == len(starts) and len(values) == len(starts) * width:
+            yield which, width, values.reshape(len(starts), width)
+        else:
+            yield which, width, np.take(values, (starts[which, None] + np.arange(width)).ravel()).reshape(
+                len(which), width)
 
 
 def _dormant(table: pa.Table, th: Thresholds, dead: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> np.ndarray:
@@ -116,17 +130,16 @@ def _dormant(table: pa.Table, th: Thresholds, dead: np.ndarray, starts: np.ndarr
     counts = _flat(table["unit_count"])[0].astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         rms = np.sqrt(squares / counts)  # NaN for a unit of no finite value
-    lengths = np.diff(np.append(starts, len(rms)))
     reference = np.full(len(starts), np.nan)
-    for width in np.unique(lengths[~nulls]):
-        which = np.flatnonzero(~nulls & (lengths == width))
-        block = np.sort(np.take(rms, (starts[which, None] + np.arange(width)).ravel()).reshape(len(which), width))
+    for which, _, units in _by_width(rms, starts, ~nulls):
+        block = np.sort(units, axis=1)
         valid = (~np.isnan(block)).sum(1)  # NaN sorts last
         kept = valid - valid // 10
         total = np.cumsum(np.nan_to_num(block), axis=1)[np.arange(len(which)), np.maximum(kept - 1, 0)]
         reference[which] = np.where(kept > 0, total / np.maximum(kept, 1), np.nan)
     with np.errstate(invalid="ignore"):
-        dormant = ~np.isnan(rms) & ~dead & (rms <= th.dormant_tau * np.repeat(reference, lengths))
+        dormant = ~np.isnan(rms) & ~dead & (rms <= th.dormant_tau * np.repeat(
+            reference, np.diff(np.append(starts, len(rms)))))
     return _count_per_row(dormant, starts, nulls)
 
 
@@ -139,12 +152,7 @@ def _top_units(absmax: np.ndarray, starts: np.ndarray, nulls: np.ndarray, fewest
     mag = np.where(np.isnan(absmax), 0.0, absmax)  # a unit with no finite value holds nothing large
     top, ratio = np.full(rows, np.nan), np.full(rows, np.nan)
     ok = (lengths >= fewest) & ~nulls
-    for width in np.unique(lengths[ok]):
-        which = np.flatnonzero(ok & (lengths == width))
-        if len(which) == rows and len(mag) == rows * width:  # every row this wide: a view, no gather
-            block = mag.reshape(rows, width)
-        else:
-            block = np.take(mag, (starts[which, None] + np.arange(width)).ravel()).reshape(len(which), width)
+    for which, width, block in _by_width(mag, starts, ok):
         best = block.argmax(axis=1)
         peak = block[np.arange(len(which)), best]
         middle = [(width - 1) // 2, width // 2]
@@ -268,14 +276,17 @@ def _per_unit(t: pa.Table) -> pa.Array:
     return pc.is_in(t["kind"], pa.array(PER_UNIT_KINDS))
 
 
+def _has_per_unit(t: pa.Table) -> bool:
+    return pc.any(_per_unit(t)).as_py()
+
+
 def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
     layers, what saturation needs); its metadata. The columns read are checked first (spec
     §Validity): a trace that breaks a rule they fall under is refused, naming the file and the rule."""
-    table, meta = read_source(source, _READ, when=[(_BOUNDED_ONLY, _bounded),
-                                                   (_PER_UNIT, lambda t: pc.any(_per_unit(t)).as_py())])
-    read = set(_READ) - (set() if _bounded(table) else set(_BOUNDED_ONLY)) \
-        - (set() if pc.any(_per_unit(table)).as_py() else set(_PER_UNIT))
+    lazy = [(_BOUNDED_ONLY, _bounded), (_PER_UNIT, _has_per_unit)]
+    table, meta = read_source(source, _READ, when=lazy)
+    read = set(_READ).difference(*(names for names, needed in lazy if not needed(table)))
     newer = minor_version(meta["spec_version"]) > minor_version(SPEC_VERSION)
     problems = metadata_problems(meta, source) + row_problems(table, source, read=read, newer_minor=newer)
     problems = problems or run_problems(table, meta, source)

@@ -16,10 +16,7 @@ from torch import nn
 from actrace.adapters.torch import Monitor
 from actrace.adapters.torch.derived import attention
 from actrace.files.reader import read_table
-
-DERIVED = ["attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit", "expert_load",
-           "router_prob", "router_entropy"]
-
+from actrace.format.schema import ATTENTION_KINDS, DERIVED_KINDS
 
 def record(model, probe, out, steps=1, **kw) -> pl.DataFrame:
     """The derived readings of `steps` probe readings of `model`."""
@@ -28,7 +25,7 @@ def record(model, probe, out, steps=1, **kw) -> pl.DataFrame:
         with Monitor(model, probe, out, grad_every=None, **kw) as mon:
             for step in range(steps):
                 mon.probe_reading(step)
-    return pl.from_arrow(read_table(out)).filter(pl.col("kind").is_in(DERIVED))
+    return pl.from_arrow(read_table(out)).filter(pl.col("kind").is_in(DERIVED_KINDS))
 
 
 def per_unit(rows: pl.DataFrame, layer: str, column: str = "mean", step: int = 0) -> np.ndarray:
@@ -394,7 +391,7 @@ def test_the_fast_per_head_numbers_are_the_numpy_definitions(case):
 
     x = _tricky_scores(case)
     fast, want = attention(x), definition.attention(x.numpy())
-    for kind in definition.ATTENTION:
+    for kind in ATTENTION_KINDS:
         assert fast[kind].shape == want[kind].shape, kind
         np.testing.assert_allclose(fast[kind].numpy(), want[kind], rtol=1e-5, atol=1e-5, err_msg=kind)
 

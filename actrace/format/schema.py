@@ -18,6 +18,16 @@ STREAMS = ("activation", "activation_grad", "param_grad", "param", "scalar")  # 
 # a scalar row is no layer of the model: its layer_index (spec §Streams)
 SCALAR_INDEX = -1
 
+# 1.3: kinds of *derived* readings, tensors a producer computes from what a layer computed (spec
+# §Derived readings), by what gives them: per head of an attention, per position of an LM head, per
+# expert of a router. Only their own rules judge them: a head of entropy 0 is collapse, not a dead unit.
+ATTENTION_KINDS = ("attention_logit", "attention_entropy", "attention_sink")
+LOGIT_KINDS = ("log_z", "max_logit")
+ROUTER_KINDS = ("expert_load", "router_prob", "router_entropy")
+DERIVED_KINDS = ATTENTION_KINDS + LOGIT_KINDS + ROUTER_KINDS
+# the derived kinds whose units an analyzer reads one by one (heads, experts)
+PER_UNIT_KINDS = ATTENTION_KINDS + ("expert_load", "router_prob")
+
 # Layer kinds and, for bounded kinds, the asymptotes that define saturation (spec §Kinds).
 KIND_BOUNDS: dict[str, tuple[float, float] | None] = {
     "relu": None,
@@ -45,17 +55,9 @@ KIND_BOUNDS: dict[str, tuple[float, float] | None] = {
     "attention": None,
     "identity": None,
     "other": None,
-    **{kind: None for kind in ("attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit",
-                               "expert_load", "router_prob", "router_entropy")},  # 1.3, derived readings
+    **dict.fromkeys(DERIVED_KINDS),  # 1.3
 }
 KINDS = tuple(KIND_BOUNDS)
-# 1.3: kinds of *derived* readings, tensors a producer computes from what a layer computed (spec
-# §Derived readings): per head of an attention, per position of an LM head, per expert of a router.
-# Only their own rules judge them: a head of entropy 0 is collapse, not a dead unit.
-DERIVED_KINDS = ("attention_logit", "attention_entropy", "attention_sink", "log_z", "max_logit", "expert_load",
-                 "router_prob", "router_entropy")
-# the derived kinds whose units an analyzer reads one by one (heads, experts)
-PER_UNIT_KINDS = ("attention_logit", "attention_entropy", "attention_sink", "expert_load", "router_prob")
 # The bound(s) at which a bounded kind saturates (spec §Layer kinds): where its slope vanishes.
 # ReLU6's zeros are sparsity or death; a softmax saturates only at a probability near 1.
 SATURATING_SIDES = {kind: ("hi",) if kind in ("relu6", "softmax") else ("lo", "hi")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-ATTENTION = ("attention_logit", "attention_entropy", "attention_sink")
-
 
 def attention(logits: np.ndarray) -> dict[str, np.ndarray]:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's

@@ -43,8 +43,8 @@ F64_ROWS = 8  # double outputs per unit: sum, sumsq, relu's sum, sumsq, cubes, f
 
 
 def _load():
-    """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking
-    its F64_ROWS and that the C structs are laid out as the ctypes ones here; None when the kernel is not built."""
+    """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking its
+    F64_ROWS and that the C structs are laid out as the ctypes ones here; None when it is not built."""
     spec = importlib.util.find_spec("actrace.reduce._kernel")
     if spec is None or not spec.origin:
         return None

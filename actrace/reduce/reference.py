@@ -96,8 +96,8 @@ def reference(x, unit_axis: int | None = None, *, bounds: tuple[float, float] | 
 
 def _stats(x3: np.ndarray, c: float, histogram: bool) -> dict:
     """The statistics of a (before, units, after) float array over axes 0 and 2: sums (of values,
-    squares, cubes, fourth powers) in float64 over finite values, extremes and min |h - c| of finite values (NaN for a unit with none),
-    zero and finite counts per unit, the histogram, NaN and Inf totals."""
+    squares, cubes, fourth powers) in float64 over finite values, extremes and min |h - c| of
+    finite values (NaN for a unit with none), zero and finite counts per unit, the histogram, NaN and Inf totals."""
     axes = (0, 2)
 
     def square(b, out):

@@ -146,14 +146,15 @@ def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, m
     clean = torch.where(finite, x, zero, out=work)
     unit_count = finite.sum(dims)
     total = clean.sum(dims, dtype=_F64)
-    if moments:  # cubes and fourth powers in float64 (float32's overflow above 4e9)
+    if moments:  # cubes and fourth powers in float64 (float32's overflow above 4e9), before `work` is reused
         wide = clean.to(_F64, copy=True)
-        moment = {"unit_sum3": torch.mul(wide, wide).mul_(wide).sum(dims), "unit_sum4": wide.square_().square_().sum(dims)}
+        powers = {"unit_sum3": torch.mul(wide, wide).mul_(wide).sum(dims),
+                  "unit_sum4": wide.square_().square_().sum(dims)}
         del wide
     # float32 squares overflow above 1.8e19: narrower values are squared in float64 (by the norm)
     squares = torch.square(clean, out=work).sum(dims, dtype=_F64) if x.dtype == _F64 else \
         torch.linalg.vector_norm(clean, 2, dims, dtype=_F64).square()
-    s = {"unit_sum": total, "unit_sumsq": squares, **(moment if moments else {}),
+    s = {"unit_sum": total, "unit_sumsq": squares, **(powers if moments else {}),
          "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims), "unit_count": unit_count,
          "unit_min": torch.where(finite, x, inf, out=work).amin(dims),
          "unit_max": torch.where(finite, x, -inf, out=work).amax(dims)}

@@ -20,9 +20,9 @@ import actrace
 from actrace.format.fingerprint import fingerprint
 from actrace.files.reader import expand
 from actrace.reduce import fold, reduce_arrays
-from actrace.reduce.derived import ATTENTION, attention
+from actrace.reduce.derived import attention
 
-from actrace.format.schema import KINDS, shown
+from actrace.format.schema import ATTENTION_KINDS, KINDS, shown
 
 from .graph import OP_KINDS, RECURRENT_OPS, Layer
 from .graph import layers as graph_layers
@@ -165,8 +165,10 @@ class Checkpoint:
         self.unread = {t.name: t.recurrent.unread for t in self.tensors
                        if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
         # an attention's scores are read as the derived readings they give, per head, under its scope
-        self.order = {name: i for i, name in enumerate(
-            n for t in self.tensors for n in ([f"{t.name}.{k}" for k in ATTENTION] if t.scores else [t.name]))}
+        self.heads = {t.output: {k: Layer(f"{t.name}.{k}", t.output, k, None, -1) for k in ATTENTION_KINDS}
+                      for t in self.tensors if t.scores}
+        self.order = {layer.name: i for i, layer in enumerate(
+            layer for t in self.tensors for layer in (self.heads[t.output].values() if t.scores else [t]))}
         self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
             name for op, _ in self.recurrent for name in op.expose()]))
         self.session = _session(model, self.names, self.path)
@@ -181,7 +183,7 @@ class Checkpoint:
             except Exception as exc:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
             jobs = [(t, np.asarray(values[t.output])) for t in self.fetched if not t.scores]
-            jobs += [(Layer(f"{t.name}.{kind}", t.output, kind, None, -1), v) for t in self.fetched if t.scores
+            jobs += [(self.heads[t.output][kind], v) for t in self.fetched if t.scores
                      for kind, v in attention(np.asarray(values[t.output])).items()]
             for op, layers in self.recurrent:
                 arrays = op.readings(values, {t.part for t in layers})

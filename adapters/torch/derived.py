@@ -16,10 +16,6 @@ from actrace.reduce.torch import scratch, scratch_like
 
 from .axes import arg
 
-# the kinds each source of derived readings gives, in the order it gives them
-ATTENTION = ("attention_logit", "attention_entropy", "attention_sink")
-LOGITS = ("log_z", "max_logit")
-ROUTER = ("expert_load", "router_prob", "router_entropy")
 _LEFT_OUT = torch.finfo(torch.float32).min
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
              "is_causal")
@@ -29,8 +25,8 @@ def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's
     lowest value (an additive mask), a key any head masks left out: per query and head (last axis),
     its largest logit over the keys it may attend, its entropy over them divided by ln(keys)
-    (queries of 2 keys or more), and its mass on the first key it may attend. A NaN score stays: it is read as one.
-    The softmax is taken by hand in a reused buffer and never normalized whole, and the entropy is
+    (queries of 2 keys or more), and its mass on the first key it may attend. A NaN score stays:
+    it is read as one. The softmax is taken by hand in a reused buffer and never normalized whole, and the entropy is
     log Z minus the expected logit, with no logarithm per score: a sixth of the time of torch's
     softmax and entropy."""
     if logits is None:
@@ -42,7 +38,7 @@ def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
     masked = masked if bool(masked.any()) else None
     n = torch.full((batch, queries), keys, device=x.device) if masked is None else keys - masked.sum(-1)
     e = scratch_like(x, torch.float32)
-    live = x if masked is None else torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=e)  # keys no head masks
+    live = x if masked is None else torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=e)  # unmasked keys
     peak = live.amax(-1, keepdim=True)
     # exp of what underflows is slow on a CPU: every exponent is kept at or above −87 (e^−87 is a
     # normal float, and adds nothing), then a masked key's share is set to exactly 0

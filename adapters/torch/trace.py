@@ -29,7 +29,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from actrace.format.schema import PER_UNIT_KINDS
+from actrace.format.schema import ATTENTION_KINDS, LOGIT_KINDS, PER_UNIT_KINDS, ROUTER_KINDS
 
 from . import derived
 from .axes import LOST, Axes, arg, op_name
@@ -202,38 +202,37 @@ class ForwardTrace(TorchFunctionMode):
         """Derived readings of an attention's scores (SDPA; a softmax over the last axis of `[B, H,
         Q, K]`, whose input they are) and of a router's top-k, under the scope they run in."""
         if name == "scaled_dot_product_attention":
-            self._derive(frame.path, frame.module, derived.ATTENTION,
+            self._derive(frame.path, frame.module, ATTENTION_KINDS,
                          lambda: derived.attention(derived.sdpa_logits(args, kwargs)))
         elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3) \
                 and attends(frame.module, frame.path):
-            self._derive(frame.path, frame.module, derived.ATTENTION,
+            self._derive(frame.path, frame.module, ATTENTION_KINDS,
                          lambda: derived.attention(arg(args, kwargs, 0, "input")))
         elif name == "topk" and isinstance(scores := arg(args, kwargs, 0, "input"), torch.Tensor) and scores.ndim \
                 and routes(frame.module, frame.path, scores.shape[-1]):
-            self._derive(frame.path, frame.module, derived.ROUTER, lambda: derived.routing(args, kwargs))
+            self._derive(frame.path, frame.module, ROUTER_KINDS, lambda: derived.routing(args, kwargs))
 
     def _derive(self, scope: str, module, kinds: tuple[str, ...], compute) -> None:
         """Sink the derived readings `compute()` gives (kind → tensor, or None), named `SCOPE.KIND`,
         computed only when one of them is selected; their names are taken once it gave them. What
         cannot be computed is said once and skipped: the model's forward goes on."""
         bases = {kind: f"{scope}.{kind}" if scope else kind for kind in kinds}
-        upcoming = {kind: self._name(base, take=False) for kind, base in bases.items()}
-        if not any(self.wanted(n, module) for n in upcoming.values()):
-            for base in bases.values():  # names count every reading, selected or not
-                self._name(base)
-            return
-        try:
-            tensors = compute()
-        except Exception as e:  # a model's own tensors in a form not foreseen: its forward is not ours to break
-            if scope not in self.failed:
-                self.failed.add(scope)
-                warnings.warn(f"actrace: the derived readings of {scope or 'the model'} are skipped: "
-                              f"{type(e).__name__}: {e}", stacklevel=2)
-            return
-        if not tensors:
-            return
-        names = {kind: self._name(base) for kind, base in bases.items()}
-        for kind, t in tensors.items():
+        names = {kind: self._name(base, take=False) for kind, base in bases.items()}
+        tensors = None
+        if any(self.wanted(n, module) for n in names.values()):
+            try:
+                tensors = compute()
+            except Exception as e:  # a model's own tensors in a form not foreseen: its forward is not ours to break
+                if scope not in self.failed:
+                    self.failed.add(scope)
+                    warnings.warn(f"actrace: the derived readings of {scope or 'the model'} are skipped: "
+                                  f"{type(e).__name__}: {e}", stacklevel=2)
+                return
+            if not tensors:
+                return
+        for base in bases.values():  # names count every reading made, selected or not
+            self._name(base)
+        for kind, t in (tensors or {}).items():
             if t.numel() and self.wanted(names[kind], module):
                 self.axes.set(t, -1 if kind in PER_UNIT_KINDS else None)  # queries or tokens first: chunks merge
                 self._sink(names[kind], kind, None, t, module)
@@ -308,12 +307,12 @@ class ForwardTrace(TorchFunctionMode):
             else:
                 self._module_output(frame, output)
             if probe and isinstance(module, torch.nn.MultiheadAttention):
-                self._derive(frame.path, module, derived.ATTENTION,
+                self._derive(frame.path, module, ATTENTION_KINDS,
                              lambda: derived.attention(derived.mha_logits(module, inputs, kwargs)))
             logits = next((t for _, t in output_tensors(output) if t.is_floating_point()), None) \
                 if probe and module in self.heads else None
             if logits is not None:
-                self._derive(frame.path, module, derived.LOGITS, lambda: derived.output_logits(logits))
+                self._derive(frame.path, module, LOGIT_KINDS, lambda: derived.output_logits(logits))
         finally:
             self._busy = False
 
