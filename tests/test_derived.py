@@ -380,15 +380,24 @@ def _tricky_scores(case: str) -> torch.Tensor:
         x[1, 2, 3, 4] = math.nan
     elif case == "peaked":
         x[:, :, :, 3] += 2000.0  # one key far above: exponents that underflow
+    elif case == "long":  # 300 keys: whole vectors of the kernel's lanes and a tail, a key masked in one head
+        x = torch.randn(2, 3, 5, 300, generator=g) * 6
+        x[0, 1, :, 17] = torch.finfo(torch.float32).min
     return x
 
 
-@pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked"])
-def test_the_fast_per_head_numbers_are_the_numpy_definitions(case):
-    """The PyTorch adapter's fast path (a hand-taken softmax in a reused buffer, entropy as log Z
-    minus the expected logit) gives the core's numpy definition (spec §Derived readings)."""
+@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+@pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
+                                  "long"])
+def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, monkeypatch):
+    """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
+    elsewhere a softmax in a reused buffer, entropy as log Z minus the expected logit) give the
+    core's numpy definition (spec §Derived readings)."""
     from actrace.reduce import derived as definition
+    from actrace.reduce import kernel
 
+    if where == "torch-ops":
+        monkeypatch.setattr(kernel, "available", False)
     x = _tricky_scores(case)
     fast, want = attention(x), definition.attention(x.numpy())
     for kind in ATTENTION_KINDS:
@@ -412,12 +421,17 @@ def test_a_probe_read_in_chunks_gives_the_derived_readings_of_the_whole(tmp_path
             np.testing.assert_allclose(a[col], b[col], rtol=1e-5, atol=1e-6, err_msg=f"{a['layer']} {col}")
 
 
-def test_a_key_one_head_masks_is_left_out_of_every_heads_numbers():
+@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+def test_a_key_one_head_masks_is_left_out_of_every_heads_numbers(where, monkeypatch):
     """Head 0 masks key 2, where head 1 scores far above its other keys: key 2 is left out for both
     (spec §Derived readings), so head 1's largest logit, entropy and first-key mass are those of
     keys 0, 1 and 3 alone, in the fast path as in the definition."""
     from actrace.reduce import derived as definition
 
+    from actrace.reduce import kernel
+
+    if where == "torch-ops":
+        monkeypatch.setattr(kernel, "available", False)
     x = torch.tensor([[[[1.0, 2.0, 0.0, 0.5]], [[0.3, 0.1, 200.0, 0.2]]]])
     x[0, 0, 0, 2] = torch.finfo(torch.float32).min
     live = torch.tensor([0.3, 0.1, 0.2])

@@ -3,13 +3,15 @@
  * a batch on every thread and owns the tables and the fallback.
  * The tensor is viewed as (before, units, after): the unit axis in the middle, contiguous.
  * Optionally the same pass also gives the sums and zero counts of relu(x), so a ReLU that reads a
- * recorded tensor needs no pass of its own. */
+ * recorded tensor needs no pass of its own. Also: an attention's per-head numbers from its scores
+ * (`actrace_scores`, spec §Derived readings), in one read of them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
 #include <stddef.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ROWS 64      /* rows summed in float before the running sums take them in double */
@@ -415,6 +417,120 @@ void actrace_run_batch(void *data) {
     }
 }
 
+/* An attention's scores [B, H, Q, K], contiguous: per query and head its largest logit over the
+ * keys it may attend (a key any head scores at or below `lowest` is left out for every head), the
+ * entropy of its softmax over them (in nats, log Z minus the expected logit, both about the peak),
+ * and its softmax's mass on the first key it may attend; per query, how many keys it may attend.
+ * A NaN score makes its query and head NaN, as the numpy definition (actrace/reduce/derived.py). */
+typedef struct {
+    const float *x;
+    int64_t batch, heads, queries, keys;
+    float lowest;
+    float *peak, *entropy, *sink; /* [B, H, Q] */
+    int64_t *n;                   /* [B, Q] */
+    int64_t next;                 /* queries taken by the threads so far */
+} Scores;
+
+/* e^x for x in [-87.3, 0], eight at a time, into *y: Cephes' expf (a degree-6 polynomial about
+ * the nearest power of two), within 2 float ulps, and no library call, so it stays in vector
+ * registers. (Pointers, as `lanes_step`.) */
+INLINE void exp_lanes(const v8f *xp, v8f *out) {
+    const v8f zero = {0}, x = *xp;
+    v8f t = x * 1.44269504088896341f - 0.5f; /* x <= 0: truncating x·log2(e) - 1/2 rounds it */
+    v8i n = __builtin_convertvector(t, v8i);
+    v8f fn = __builtin_convertvector(n, v8f);
+    v8f r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    v8f p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v8f y = p * r * r + r + 1.0f;
+    *out = y * (v8f)((n + 127) << 23);
+}
+
+/* Eight scores of a row from k on into *v, and in *live which of them count: those `keep` marks,
+ * within the row's K. */
+INLINE void load_scores(const float *row, const int32_t *keep, int64_t k, int64_t K, v8f *v, v8i *live) {
+    if (k + 8 <= K) {
+        memcpy(v, row + k, sizeof *v);
+        memcpy(live, keep + k, sizeof *live);
+        return;
+    }
+    float t[8] = {0};
+    int32_t m[8] = {0};
+    memcpy(t, row + k, (K - k) * sizeof(float));
+    memcpy(m, keep + k, (K - k) * sizeof(int32_t));
+    memcpy(v, t, sizeof *v);
+    memcpy(live, m, sizeof *live);
+}
+
+/* One query of one sequence: its keys' mask from every head, then each head's row in two passes
+ * (the peak, then the exponentials' sums), the row in cache the second time. `keep` holds K ints. */
+CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *keep) {
+    const int64_t K = s->keys, H = s->heads, Q = s->queries;
+    const float lowest = s->lowest;
+    int64_t n = 0, first = -1;
+    for (int64_t k = 0; k < K; k++) keep[k] = -1;
+    for (int64_t h = 0; h < H; h++) {
+        const float *row = s->x + ((b * H + h) * Q + q) * K;
+        for (int64_t k = 0; k < K; k++) keep[k] &= -(int32_t)!(row[k] <= lowest); /* NaN is kept: it is read */
+    }
+    for (int64_t k = 0; k < K; k++) n -= keep[k];
+    for (int64_t k = 0; k < K && first < 0; k++) first = keep[k] ? k : -1;
+    s->n[b * Q + q] = n;
+    for (int64_t h = 0; h < H; h++) {
+        const float *row = s->x + ((b * H + h) * Q + q) * K;
+        const int64_t out = (b * H + h) * Q + q;
+        v8f hi = {0}, sum = {0}, dot = {0}, floor = {0}, v;
+        v8i bad = {0}, live;
+        hi -= INFINITY;
+        floor -= 87.0f; /* e^-87 adds nothing, and stays a normal float */
+        for (int64_t k = 0; k < K; k += 8) {
+            load_scores(row, keep, k, K, &v, &live);
+            bad |= live & (v != v);
+            hi = PICK(live & (v > hi), v, hi);
+        }
+        float peak = -INFINITY;
+        int nan = 0;
+        for (int j = 0; j < 8; j++) { peak = hi[j] > peak ? hi[j] : peak; nan |= bad[j] != 0; }
+        s->peak[out] = nan ? NAN : peak;
+        if (nan || n == 0 || !is_finite(peak)) {
+            s->entropy[out] = s->sink[out] = NAN;
+            continue;
+        }
+        for (int64_t k = 0; k < K; k += 8) {
+            v8f d, e;
+            load_scores(row, keep, k, K, &v, &live);
+            d = v - peak;
+            d = PICK(d > floor, d, floor);
+            exp_lanes(&d, &e);
+            e = (v8f)((v8i)e & live);
+            sum += e;
+            dot += e * d;
+        }
+        double total = 0, expected = 0;
+        for (int j = 0; j < 8; j++) { total += sum[j]; expected += dot[j]; }
+        float d0 = row[first] - peak;
+        s->entropy[out] = (float)(log(total) - expected / total); /* log Z - E[x], both about the peak */
+        s->sink[out] = (float)(exp(d0 > -87.0f ? d0 : -87.0f) / total);
+    }
+}
+
+/* Take queries until none is left; any number of threads at once, as `actrace_run_batch`. */
+void actrace_scores(void *data) {
+    Scores *s = data;
+    int32_t *keep = malloc(s->keys * sizeof(int32_t));
+    if (!keep) return;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
+        if (i >= s->batch * s->queries) break;
+        score_query(s, i / s->queries, i % s->queries, keep);
+    }
+    free(keep);
+}
+
 /* What kernel.py's ctypes mirror must match, checked there at import: the constants, then the size
  * and field offsets of Bins, Job and Batch in declaration order. */
 static const int64_t layout[] = {
@@ -425,6 +541,9 @@ static const int64_t layout[] = {
     offsetof(Job, centre), offsetof(Job, pieces), offsetof(Job, relu), offsetof(Job, hist), offsetof(Job, done),
     offsetof(Job, f64), offsetof(Job, f32), offsetof(Job, i64),
     sizeof(Batch), offsetof(Batch, bins), offsetof(Batch, jobs), offsetof(Batch, n), offsetof(Batch, next),
+    sizeof(Scores), offsetof(Scores, x), offsetof(Scores, batch), offsetof(Scores, heads), offsetof(Scores, queries),
+    offsetof(Scores, keys), offsetof(Scores, lowest), offsetof(Scores, peak), offsetof(Scores, entropy),
+    offsetof(Scores, sink), offsetof(Scores, n), offsetof(Scores, next),
 };
 
 const int64_t *actrace_layout(int64_t *n) {

@@ -4,7 +4,8 @@
 already in the process (PyTorch's libgomp, whose idle threads would otherwise spin beside ours),
 else on two Python threads (ctypes releases the GIL). Optional: where the compiled module is
 missing, `available` is False and `actrace.reduce` uses its numpy path, which gives the same
-numbers (the tests hold the two to each other).
+numbers (the tests hold the two to each other). `attention_scores` gives an attention's
+per-head numbers (spec §Derived readings) in one read of its scores.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class _Batch(ctypes.Structure):
     _fields_ = [("bins", _Bins), ("jobs", _P), ("n", _I64), ("next", _I64)]
 
 
+class _Scores(ctypes.Structure):  # Scores in _kernel.c
+    _fields_ = [("x", _P)] + [(name, _I64) for name in ("batch", "heads", "queries", "keys")] + \
+        [("lowest", ctypes.c_float)] + [(name, _P) for name in ("peak", "entropy", "sink", "n")] + [("next", _I64)]
+
+
 class LayoutError(ImportError):
     """The compiled kernel and this mirror of its structs disagree (a stale or mismatched build)."""
 
@@ -53,7 +59,7 @@ def _load():
     n = _I64()
     got = lib.actrace_layout(ctypes.byref(n))[: n.value]
     mirror = []
-    for struct in (_Bins, _Job, _Batch):
+    for struct in (_Bins, _Job, _Batch, _Scores):
         mirror += [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
     if got[4:] != mirror or got[3] != F64_ROWS:
         raise LayoutError(f"{spec.origin}: the kernel's struct layout {got[3:]} is not kernel.py's "
@@ -61,9 +67,10 @@ def _load():
     shift, exact, max_bins = got[:3]
     if bins.N_BINS > max_bins or exact < max_bins:
         raise LayoutError(f"{spec.origin}: built for {max_bins} bins (EXACT {exact}), the spec has {bins.N_BINS}")
-    fn = lib.actrace_run_batch
+    fn, scores = lib.actrace_run_batch, lib.actrace_scores
     fn.argtypes, fn.restype = [_P], None
-    return fn, shift, exact
+    scores.argtypes, scores.restype = [_P], None
+    return fn, scores, shift, exact
 
 
 def _openmp():
@@ -96,9 +103,9 @@ def _key_table(shift: int, exact: int) -> np.ndarray:
 
 _loaded = _load()
 available = _loaded is not None
-_run = _loaded[0] if available else None
-_RUN = ctypes.cast(_run, _P) if available else None
-_TABLE = _key_table(*_loaded[1:]) if available else None
+_run, _scores = _loaded[:2] if available else (None, None)
+_RUN, _SCORES = (ctypes.cast(_run, _P), ctypes.cast(_scores, _P)) if available else (None, None)
+_TABLE = _key_table(*_loaded[2:]) if available else None
 _EDGES = np.ascontiguousarray(bins.MAGNITUDE_EDGES, dtype=np.float64)
 _BINS = _Bins(_TABLE.ctypes.data, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN, bins.N_BINS) \
     if available else None
@@ -142,15 +149,34 @@ def _threads() -> int:
 def _dispatch(address: int, n: int, pieces: int, values: int) -> None:
     """Run `n` jobs laid out at `address` on every thread; on this thread alone when there is one
     piece or fewer `values` than a piece's worth (waking a thread team costs more than that)."""
-    batch = ctypes.byref(_Batch(_BINS, address, n, 0))
-    if pieces == 1 or values < SPLIT:
-        _run(batch)
+    _on_threads(_run, _RUN, ctypes.byref(_Batch(_BINS, address, n, 0)), pieces > 1 and values >= SPLIT)
+
+
+def _on_threads(fn, address, data, parallel: bool) -> None:
+    """`fn(data)` on every thread (the framework's OpenMP team, or two Python threads) when
+    `parallel`, else on this one; `address` is fn's, for OpenMP."""
+    _threads()
+    if not parallel:
+        fn(data)
     elif _gomp[0]:
-        _gomp[0][0](_RUN, batch, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
+        _gomp[0][0](address, data, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
     else:
-        helper = _pool.submit(_run, batch)
-        _run(batch)
+        helper = _pool.submit(fn, data)
+        fn(data)
         helper.result()
+
+
+def attention_scores(x: np.ndarray, lowest: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Of C-contiguous float32 scores `[B, H, Q, K]`, a key any head scores at or below `lowest` left
+    out: per query and head its largest logit, its softmax's entropy in nats and its mass on the
+    first key it may attend (`[B, H, Q]` each), and per query its keys (`[B, Q]`); NaN where a NaN
+    score or no key makes them unknown."""
+    batch, heads, queries, keys = x.shape
+    peak, entropy, sink = (np.empty((batch, heads, queries), np.float32) for _ in range(3))
+    n = np.empty((batch, queries), np.int64)
+    job = _Scores(_address(x), batch, heads, queries, keys, lowest, *map(_address, (peak, entropy, sink, n)), 0)
+    _on_threads(_scores, _SCORES, ctypes.byref(job), batch * queries > 1 and x.size >= SPLIT)
+    return peak, entropy, sink, n
 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:

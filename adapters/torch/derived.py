@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from actrace.reduce import kernel
 from actrace.reduce.torch import scratch, scratch_like
 
 from .axes import arg
@@ -26,44 +27,40 @@ def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
     lowest value (an additive mask), a key any head masks left out: per query and head (last axis),
     its largest logit over the keys it may attend, its entropy over them divided by ln(keys)
     (queries of 2 keys or more), and its mass on the first key it may attend. A NaN score stays:
-    it is read as one. The softmax is taken by hand in a reused buffer and never normalized whole, and the entropy is
-    log Z minus the expected logit, with no logarithm per score: a sixth of the time of torch's
-    softmax and entropy."""
+    it is read as one. On a CPU, by the fused kernel (one read of the scores); elsewhere by torch."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
+    if x.device.type == "cpu" and kernel.available:
+        peak, nats, sink, n = map(torch.from_numpy, kernel.attention_scores(x.contiguous().numpy(), lowest))
+    else:
+        peak, nats, sink, n = _per_head(x, lowest)
+    entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
+    rows, wide = n >= 1, n >= 2  # [B, Q]: queries with a key, with two or more
+    return {"attention_logit": peak.transpose(1, 2)[rows],
+            "attention_entropy": entropy.transpose(1, 2)[wide], "attention_sink": sink.transpose(1, 2)[rows]}
+
+
+def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
+    """`kernel.attention_scores` in torch: one fused softmax into a reused buffer; log Z is the
+    peak minus the log of the largest probability, the entropy (nats) log Z minus the expected
+    logit: no logarithm per score."""
     batch, heads, queries, keys = x.shape
     masked = x.amin(1) <= lowest  # [B, Q, K]: a key some head leaves out; NaN is read
     masked = masked if bool(masked.any()) else None
     n = torch.full((batch, queries), keys, device=x.device) if masked is None else keys - masked.sum(-1)
-    e = scratch_like(x, torch.float32)
-    live = x if masked is None else torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=e)  # unmasked keys
-    peak = live.amax(-1, keepdim=True)
-    # exp of what underflows is slow on a CPU: every exponent is kept at or above −87 (e^−87 is a
-    # normal float, and adds nothing), then a masked key's share is set to exactly 0
-    torch.sub(live, peak, out=e).clamp_(min=-87.0).exp_()
-    if masked is not None:
-        e.masked_fill_(masked[:, None], 0.0)
-    total = e.sum(-1)  # p = e / total, never divided out whole
-    expected = _expected(e, x)
-    if bool(torch.isnan(expected).any()) and bool(torch.isneginf(x).any()):  # 0 · (−inf) of a −inf mask
-        expected = _expected(e, x.clamp(min=_LEFT_OUT))
-    entropy = (peak.squeeze(-1) + total.log() - expected / total).clamp_(min=0) / n.clamp(min=2).log()[:, None]
+    if masked is not None:  # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
+        x = torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=scratch_like(x, torch.float32, slot=2))
+    p = torch.ops.aten._softmax.out(x, -1, False, out=scratch_like(x, torch.float32))
     if masked is not None and bool(masked[..., 0].any()):  # a query that may not attend key 0 (left padding)
         first = (~masked).to(torch.int8).argmax(-1)  # its first key
-        sink = e.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1) / total
+        sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
     else:
-        sink = e[..., 0] / total
-    rows, wide = n >= 1, n >= 2  # [B, Q]: queries with a key, with two or more
-    return {"attention_logit": peak.squeeze(-1).transpose(1, 2)[rows],
-            "attention_entropy": entropy.transpose(1, 2)[wide], "attention_sink": sink.transpose(1, 2)[rows]}
-
-
-def _expected(e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Σ e·x over the last axis, as one batched matrix product: no temporary of the scores' size."""
-    k = x.shape[-1]
-    return torch.bmm(e.reshape(-1, 1, k), x.reshape(-1, k, 1)).reshape(x.shape[:-1])
+        sink = p[..., 0].clone()
+    peak = x.amax(-1)
+    log_z = peak - p.amax(-1).log()
+    return peak, log_z - p.mul_(x).sum(-1), sink, n  # Σ p·x in place: p is not needed after
 
 
 def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -117,9 +114,12 @@ def mha_logits(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
-    softmax of `attention` takes slot 0)."""
-    out = scratch((*q.shape[:-1], k.shape[-2]), torch.float32, q.device, slot=1)
-    return torch.matmul(q.float(), k.float().transpose(-2, -1), out=out)
+    softmax of `attention` takes slot 0, its masked scores slot 2)."""
+    *lead, lq, d = q.shape
+    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1)
+    torch.bmm(q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
+              out=out.view(-1, lq, k.shape[-2]))
+    return out
 
 
 def _masked(x: torch.Tensor, mask, allowed: bool) -> torch.Tensor:
