@@ -96,29 +96,61 @@ def attention_layers(rows: pl.DataFrame, kind: str) -> list[str]:
     return sorted(rows.filter(pl.col("kind") == kind)["layer"].unique())
 
 
+def handmade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention implementation of the kind a user registers with Hugging Face (as flash is):
+    no torch call of it shows the scores (no softmax, no SDPA); flash's masks (`[B, K]` padding)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", query, key) * scaling
+    lq, lk = scores.shape[-2:]
+    allowed = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq) if module.is_causal else torch.ones(lq, lk).bool()
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    w = (scores - scores.amax(-1, keepdim=True)).exp() * allowed
+    w = w / w.sum(-1, keepdim=True)
+    return torch.einsum("bhqk,bhkd->bhqd", w, value).transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def handmade():
+    """`handmade_attention` registered as Hugging Face's "handmade" implementation, with flash's masks."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("handmade", handmade_attention)
+    AttentionMaskInterface.register("handmade", flash_attention_mask)
+    yield "handmade"
+    del AttentionInterface._global_mapping["handmade"], AttentionMaskInterface._global_mapping["handmade"]
+
+
 @pytest.mark.parametrize("family", BUILDERS, ids=BUILDERS)
-def test_eager_and_sdpa_attention_read_the_same_heads_and_a_sharpened_layer_reads_one_hot(tmp_path, family):
-    """The same weights under eager and SDPA attention, a padded probe: every per-head number agrees;
-    the layer whose q/k were scaled reads entropy ≈ 0 in every head, the other ≈ 1 (random init)."""
+def test_every_attention_implementation_reads_the_same_heads_and_a_sharpened_layer_reads_one_hot(tmp_path, family,
+                                                                                                 handmade):
+    """The same weights under eager attention, SDPA and a registered implementation that shows no
+    scores (read from its call, as flash's would be, with flash's padding mask), a padded probe:
+    every per-head number agrees; the layer whose q/k were scaled reads entropy ≈ 0 in every head,
+    the other ≈ 1 (random init)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (3, 10))
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[0, 7:] = 0
     probe = {"input_ids": ids, "attention_mask": mask}
     got = {}
-    for impl in ("eager", "sdpa"):
+    for impl in ("eager", "sdpa", handmade):
         torch.manual_seed(1)
         model = BUILDERS[family](impl)
         sharpen(model)
         got[impl] = record(model, probe, tmp_path / f"{impl}.parquet")
-    eager, sdpa = got["eager"], got["sdpa"]
+    eager = got["eager"]
     layers = attention_layers(eager, "attention_entropy")
-    assert len(layers) == 2 and layers == attention_layers(sdpa, "attention_entropy")
-    for kind in ("attention_logit", "attention_entropy", "attention_sink"):
-        for layer in attention_layers(eager, kind):
-            for column in ("mean", "min", "max"):
-                np.testing.assert_allclose(per_unit(eager, layer, column), per_unit(sdpa, layer, column),
-                                           rtol=1e-4, atol=1e-5)
+    assert len(layers) == 2
+    for other in (got["sdpa"], got[handmade]):
+        assert attention_layers(other, "attention_entropy") == layers
+        for kind in ("attention_logit", "attention_entropy", "attention_sink"):
+            for layer in attention_layers(eager, kind):
+                for column in ("mean", "min", "max"):
+                    np.testing.assert_allclose(per_unit(eager, layer, column), per_unit(other, layer, column),
+                                               rtol=1e-4, atol=1e-5)
     first, second = (per_unit(eager, layer) for layer in layers)
     assert first.min() > 0.95 and second.max() < 0.1 and len(second) == 4
     logit = attention_layers(eager, "attention_logit")
@@ -486,3 +518,30 @@ def test_only_attentions_and_routers_give_derived_readings_and_a_keyword_softmax
     assert rows.height == 0
     rows = record(SelfAttention(), torch.randn(2, 5, 8), tmp_path / "a.parquet")
     assert sorted(rows["layer"]) == ["attention_entropy", "attention_logit", "attention_sink"]
+
+
+@pytest.mark.parametrize("case", ["causal-window", "softcap-padding"])
+def test_an_implementations_call_gives_the_scores_its_mask_and_options_say(case):
+    """The scores read from an attention implementation's call (flash's arguments) are those its
+    mask and options define: causal aligned to the last key with a sliding window of 3 (Hugging
+    Face's: a key at most 2 positions back), or Gemma's soft cap with a `[B, K]` padding mask."""
+    from actrace.adapters.torch.derived import interface_logits
+    from actrace.reduce import derived as definition
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)  # 5 queries, 7 keys, GQA
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.5
+    low = torch.finfo(torch.float32).min
+    gap = torch.arange(5)[:, None] + 2 - torch.arange(7)  # query − key, the last query on the last key
+    if case == "causal-window":
+        got = interface_logits(None, q, k, None, scaling=0.5, sliding_window=3, is_causal=True)
+        want = scores.masked_fill((gap < 0) | (gap >= 3), low)
+    else:
+        padding = torch.ones(2, 7, dtype=torch.long)
+        padding[1, :2] = 0
+        got = interface_logits(None, q, k, padding, scaling=0.5, softcap=2.0, is_causal=False)
+        want = (torch.tanh(scores / 2.0) * 2.0).masked_fill(padding[:, None, None, :] == 0, low)
+    fast, expect = attention(got), definition.attention(want.numpy())
+    for kind in ATTENTION_KINDS:
+        np.testing.assert_allclose(fast[kind].numpy(), expect[kind], rtol=1e-5, atol=1e-6, err_msg=kind)
+

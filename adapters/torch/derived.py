@@ -79,6 +79,35 @@ def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return _masked(x, mask, allowed=True)
 
 
+def interface_logits(module, query: torch.Tensor, key: torch.Tensor, mask, scaling: float | None = None,
+                     softcap: float | None = None, sliding_window: int | None = None, is_causal: bool | None = None,
+                     s_aux=None) -> torch.Tensor:
+    """The scores a Hugging Face attention implementation (flash, flex, one a user registered)
+    softmaxes, from its call's `[B, H, Q, E]` queries, `[B, h, K, E]` keys and mask as Hugging
+    Face gives them: none, `[B, K]` padding (1 = a real token, flash's), or `[B, 1|H, Q, K]`
+    boolean (True = attend) or additive; causal as the call or the module says, aligned to the last
+    key, and a sliding window, as Hugging Face's masks define them; Gemma's soft cap applied."""
+    if s_aux is not None:
+        raise ValueError("an attention with learned sink logits (s_aux) is not read")
+    if not isinstance(mask, torch.Tensor | None):
+        raise ValueError(f"a {type(mask).__name__} mask is not read")
+    if key.shape[1] != query.shape[1]:  # grouped-query attention
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+    x = _scores(query * (scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])), key)
+    if softcap:
+        x.div_(softcap).tanh_().mul_(softcap)
+    lq, lk = x.shape[-2:]
+    gap = torch.arange(lq, device=x.device)[:, None] + (lk - lq) - torch.arange(lk, device=x.device)  # query − key
+    causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+    if causal and lq > 1:
+        x.masked_fill_(gap < 0, _LEFT_OUT)
+    if sliding_window is not None:
+        x.masked_fill_(gap >= sliding_window, _LEFT_OUT)
+    if mask is not None and mask.ndim == 2:  # padding: the keys of real tokens
+        return x.masked_fill_(~mask.bool()[:, None, None, -lk:], _LEFT_OUT)
+    return _masked(x, mask, allowed=True)
+
+
 def mha_logits(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The scores of an `nn.MultiheadAttention` call, from its inputs, projections and masks; None
     for a layer with `add_bias_kv` or `add_zero_attn` (keys the inputs do not hold). The scale is

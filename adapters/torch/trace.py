@@ -12,7 +12,8 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   included (`_torch_recurrent`), in a probe forward; in a forward with gradients, at its outputs;
 - in a probe forward, derived readings (`_torch_derived`, spec §Derived readings) under the scope
   they are computed in: per head of every attention (SDPA, a 4-D softmax over keys,
-  `nn.MultiheadAttention`), per position of the LM head, per expert of a router's top-k;
+  `nn.MultiheadAttention`, a Hugging Face attention implementation that shows no scores, such as
+  flash: `_torch_interfaces`), per position of the LM head, per expert of a router's top-k;
 - repeated names in one forward get `#2`, `#3`, ...
 Each tensor is read the moment it is made, before any in-place change. Unit axes come from
 `_torch_axes.Axes`.
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from actrace.format.schema import ATTENTION_KINDS, LOGIT_KINDS, PER_UNIT_KINDS, ROUTER_KINDS
 
-from . import derived
+from . import derived, interfaces
 from .axes import LOST, Axes, arg, op_name
 from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bounds, module_kind, routes
 from .recurrent import RECURRENT
@@ -127,6 +128,8 @@ class ForwardTrace(TorchFunctionMode):
         self._busy = False
         self.failed: set[str] = set()  # scopes whose derived readings could not be computed (said once)
         self._hooks, self._paused = [], []
+        self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
+        self._inside_interface = 0  # calls of such an implementation running: their scores are read already
         self.open: Output | None = None   # the newest layer output, sunk at the next event
         self.relu: tuple | None = None    # (relu's output tensor, the Output whose pass gives its reading)
 
@@ -135,13 +138,15 @@ class ForwardTrace(TorchFunctionMode):
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
                                                               always_call=True)]
+        self._registry = interfaces.wrap_registry(self._interface)
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._flush()
         for h in self._hooks:
             h.remove()
-        self._hooks, self.stack = [], []
+        interfaces.restore(self._registry)
+        self._hooks, self.stack, self._registry = [], [], {}
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -201,6 +206,8 @@ class ForwardTrace(TorchFunctionMode):
     def _derived_of_call(self, frame: _Frame, name: str, args, kwargs, out) -> None:
         """Derived readings of an attention's scores (SDPA; a softmax over the last axis of `[B, H,
         Q, K]`, whose input they are) and of a router's top-k, under the scope they run in."""
+        if self._inside_interface and name in ("scaled_dot_product_attention", "softmax"):
+            return
         if name == "scaled_dot_product_attention":
             self._derive(frame.path, frame.module, ATTENTION_KINDS,
                          lambda: derived.attention(derived.sdpa_logits(args, kwargs)))
@@ -236,6 +243,28 @@ class ForwardTrace(TorchFunctionMode):
             if t.numel() and self.wanted(names[kind], module):
                 self.axes.set(t, -1 if kind in PER_UNIT_KINDS else None)  # queries or tokens first: chunks merge
                 self._sink(names[kind], kind, None, t, module)
+
+    def _interface(self, fn, module, query, key, value, mask, args, kwargs):
+        """A Hugging Face attention implementation's call (`interfaces`): in a probe forward, its
+        scores' derived readings from its queries, keys and mask, under the scope it runs in; then
+        the call itself, whose own torch calls are not read as attention again."""
+        frame = self.stack[-1] if self.stack else None
+        if frame is not None and not torch.is_grad_enabled() and not self._busy:
+            def logits():
+                if args:
+                    raise ValueError(f"{fn.__name__} called with positional arguments after the mask")
+                return derived.interface_logits(module, query, key, mask, **{
+                    k: kwargs[k] for k in ("scaling", "softcap", "sliding_window", "is_causal", "s_aux") if k in kwargs})
+            self._busy = True
+            try:
+                self._derive(frame.path, frame.module, ATTENTION_KINDS, lambda: derived.attention(logits()))
+            finally:
+                self._busy = False
+        self._inside_interface += 1
+        try:
+            return fn(module, query, key, value, mask, *args, **kwargs)
+        finally:
+            self._inside_interface -= 1
 
     @staticmethod
     def _settle_last(frame: _Frame) -> None:
