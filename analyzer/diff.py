@@ -207,11 +207,11 @@ def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
                 lines.append(f"  … {len(mine) - top - 1} more parting(s): --format json lists them all")
         start = [p for p in d.from_start if p.run == run]
         if start:
-            lines.append(f"  from the first readings apart (as two seeds may be; seeds of the baseline tell: "
-                         f"diff A1 A2 -- B): " + "; ".join(f"{METRICS[p.metric][3]} in {shown(p.layer)}"
+            lines.append("  from the first readings apart (as two seeds may be; seeds of the baseline tell: "
+                         "diff A1 A2 -- B): " + "; ".join(f"{METRICS[p.metric][3]} in {shown(p.layer)}"
                                                            for p in start[:5]) + (" …" if len(start) > 5 else ""))
         if d.widths.get(run):
-            lines.append(f"  aligned, yet of other widths (different layers?): "
+            lines.append("  aligned, yet of other widths (different layers?): "
                          + ", ".join(map(shown, d.widths[run][:8])) + (" …" if len(d.widths[run]) > 8 else ""))
         if d.unaligned.get(run):
             names = ", ".join(map(shown, d.unaligned[run][:10])) + (" …" if len(d.unaligned[run]) > 10 else "")

@@ -167,7 +167,7 @@ def build(torch, case: Case):
     nn, o = torch.nn, case.model
     if case.family == "mlp":
         act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[o.get("act", "relu")]
-        depth, width, layers, inp = o.get("depth", 3), o.get("width", 64), [], 32
+        depth, width, inp = o.get("depth", 3), o.get("width", 64), 32
         names = []
         for i in range(1, depth + 1):
             names += [(f"fc{i}", nn.Linear(inp, width)), (f"{o.get('act', 'relu')}{i}", act())]

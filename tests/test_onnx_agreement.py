@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import actrace
+from actrace.format.schema import ATTENTION_KINDS
 from actrace.adapters.onnx import record_onnx
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.compare import align
@@ -109,7 +110,7 @@ MODELS = {"acts": (Acts, (40, 8)), "res": (Res, (6, 3, 8, 8)), "encoder": (Encod
           "tanh-mlp": (TanhMLP, (64, 12)), "softmax": (Softmaxes, (8, 6, 8)), "clamps": (Clamps, (32, 8))}
 
 
-def record_both(tmp_path, build, shape, dynamo: bool):
+def record_both(tmp_path, build, shape, dynamo: bool, opset: int | None = None):
     torch.manual_seed(0)
     model = build().eval()
     probe = torch.randn(*shape)
@@ -119,7 +120,7 @@ def record_both(tmp_path, build, shape, dynamo: bool):
         warnings.simplefilter("ignore")
         if dynamo:
             torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=True,
-                              dynamic_shapes=({0: "batch"},), verbose=False)
+                              dynamic_shapes=({0: "batch"},), verbose=False, opset_version=opset)
         else:
             torch.onnx.export(model, (probe[:2],), tmp_path / "m.onnx", input_names=["x"], dynamo=False,
                               dynamic_axes={"x": {0: "batch"}})
@@ -282,12 +283,18 @@ def test_a_hugging_face_bert_and_its_export_agree_by_name(tmp_path, dynamo):
             np.testing.assert_allclose(b[col], t[col], rtol=1e-4, atol=1e-4, err_msg=f"{name} {col}")
 
 
-@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_an_exported_attention_reads_the_same_heads_as_pytorch(tmp_path, dynamo):
+@pytest.mark.parametrize("dynamo,opset", [(False, None), (True, None), (True, 23)],
+                         ids=["torchscript", "dynamo", "dynamo-attention-op"])
+def test_an_exported_attention_reads_the_same_heads_as_pytorch(tmp_path, dynamo, opset):
     """The encoder's attention: PyTorch recomputes its scores from nn.MultiheadAttention's
-    projections, ONNX Runtime gives the export's Softmax input; both read each head's largest
-    logits, entropy and first-key mass under the same names, and agree (spec §Derived readings)."""
-    paths = record_both(tmp_path, *MODELS["encoder"], dynamo)
+    projections, ONNX Runtime gives the export's Softmax input, or at opset 23 its Attention op's
+    scores (exposed, then masked as the op says); all read each head's largest logits, entropy and
+    first-key mass under the same names, and agree (spec §Derived readings)."""
+    import onnx
+
+    paths = record_both(tmp_path, *MODELS["encoder"], dynamo, opset)
+    ops = {n.op_type for n in onnx.load(tmp_path / "m.onnx").graph.node}
+    assert ("Attention" in ops) == (opset == 23) and ("Softmax" in ops) == (opset != 23)
     derived = {run: {r["layer"]: r for r in actrace.read_table(p).to_pylist() if r["kind"].startswith("attention_")}
                for run, p in zip(("torch", "onnx"), paths)}
     names = {f"layer.self_attn.{k}" for k in ("attention_logit", "attention_entropy", "attention_sink")}
@@ -298,3 +305,37 @@ def test_an_exported_attention_reads_the_same_heads_as_pytorch(tmp_path, dynamo)
             2, t["count"], t["unit_count"]), name
         for col in ("unit_sum", "unit_min", "unit_max"):
             np.testing.assert_allclose(o[col], t[col], rtol=1e-4, atol=1e-5, err_msg=f"{name} {col}")
+
+
+class SdpaAttention(nn.Module):
+    """Queries, keys and values of 4 heads into SDPA: causal, or under a fixed boolean mask (a buffer)."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(16, 16) for _ in range(4))
+        self.causal = causal
+        self.register_buffer("allowed", torch.rand(5, 5, generator=torch.Generator().manual_seed(3)) > 0.3)
+        self.allowed[:, 0] = True  # every query some key
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (m(x).view(b, n, 4, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, attn_mask=None if self.causal else self.allowed)
+        return self.out(y.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bool-mask"])
+def test_an_attention_op_reads_its_mask_and_causal_rule_as_pytorch_reads_sdpa(tmp_path, causal):
+    """At opset 23 SDPA exports as one Attention op: its scores, exposed, then masked as the op says
+    (causal, or its boolean mask input), read each head as PyTorch reads the SDPA call."""
+    paths = record_both(tmp_path, lambda: nn.Sequential(SdpaAttention(causal)), (6, 5, 16), True, 23)
+    derived = {run: {r["layer"]: r for r in actrace.read_table(p).to_pylist() if r["kind"].startswith("attention_")}
+               for run, p in zip(("torch", "onnx"), paths)}
+    assert set(derived["torch"]) == set(derived["onnx"]) == {f"0.{k}" for k in ATTENTION_KINDS}
+    for name, t in derived["torch"].items():
+        o = derived["onnx"][name]
+        assert (t["units"], t["count"]) == (o["units"], o["count"]) == (4, t["count"]), name
+        for col in ("unit_sum", "unit_min", "unit_max"):
+            np.testing.assert_allclose(o[col], t[col], rtol=1e-4, atol=1e-5, err_msg=f"{name} {col}")
+    first = derived["torch"]["0.attention_sink"]
+    assert (np.asarray(first["unit_max"]) == 1.0).all() == causal  # the first query attends key 0 alone

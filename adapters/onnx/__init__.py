@@ -24,6 +24,7 @@ from actrace.reduce.derived import attention
 
 from actrace.format.schema import ATTENTION_KINDS, KINDS, shown
 
+from .attention_op import AttentionOp
 from .graph import OP_KINDS, RECURRENT_OPS, Layer
 from .graph import layers as graph_layers
 
@@ -153,7 +154,10 @@ class Checkpoint:
     def __init__(self, path: Path, *, layers=None, op_types=None, input_axes=None):
         self.path = Path(path)
         model = _load(self.path)
-        self.tensors = select_tensors(model, layers, op_types, input_axes)
+        tensors = select_tensors(model, layers, op_types, input_axes)
+        # an Attention op's scores are exposed as its fourth output; one with a cache or window is not read
+        self.ops = {t.output: AttentionOp(t.attention) for t in tensors if t.attention is not None}
+        self.tensors = [t for t in tensors if t.output not in self.ops or not self.ops[t.output].unread]
         self.lost = [t.name for t in self.tensors if t.axis is None]
         # a ReLU of a tensor read anyway is read from that tensor's pass, its own output not fetched
         read = {t.output: t for t in self.tensors}
@@ -164,13 +168,25 @@ class Checkpoint:
         self.recurrent = [(op, [t for t in self.tensors if t.recurrent is op]) for op in ops]  # and its readings
         self.unread = {t.name: t.recurrent.unread for t in self.tensors
                        if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
+        self.unread_heads = {t.name: op.unread for t in tensors if (op := self.ops.get(t.output)) and op.unread}
+        constants = {i.name: i for i in model.graph.initializer}
+        inputs = {i.name for i in model.graph.input}
+        self.masks: dict[str, object] = {}  # an Attention op's mask: a constant's value, or the name to feed or fetch
+        for name, op in list(self.ops.items()):
+            if op.unread:
+                del self.ops[name]
+                continue
+            op.expose(name)
+            if op.mask in constants:
+                self.masks[op.mask] = _array(constants[op.mask])
         # an attention's scores are read as the derived readings they give, per head, under its scope
         self.heads = {t.output: {k: Layer(f"{t.name}.{k}", t.output, k, None, -1) for k in ATTENTION_KINDS}
                       for t in self.tensors if t.scores}
         self.order = {layer.name: i for i, layer in enumerate(
             layer for t in self.tensors for layer in (self.heads[t.output].values() if t.scores else [t]))}
         self.names = list(dict.fromkeys([t.output for t in self.fetched] + [
-            name for op, _ in self.recurrent for name in op.expose()]))
+            name for op, _ in self.recurrent for name in op.expose()] + [
+            op.mask for op in self.ops.values() if op.mask and op.mask not in constants and op.mask not in inputs]))
         self.session = _session(model, self.names, self.path)
 
     def read(self, probe: dict, chunk: int = 256) -> list:
@@ -184,7 +200,7 @@ class Checkpoint:
                 raise OnnxError(f"{self.path}: ONNX Runtime failed on the probe: {exc}") from None
             jobs = [(t, np.asarray(values[t.output])) for t in self.fetched if not t.scores]
             jobs += [(self.heads[t.output][kind], v) for t in self.fetched if t.scores
-                     for kind, v in attention(np.asarray(values[t.output])).items()]
+                     for kind, v in attention(self._scores(t.output, values, part)).items()]
             for op, layers in self.recurrent:
                 arrays = op.readings(values, {t.part for t in layers})
                 jobs += [(t, arrays[t.part]) for t in layers if t.part in arrays]
@@ -194,6 +210,20 @@ class Checkpoint:
                 for t, v in jobs])  # one kernel batch on every thread
             fold(merged, readings)
         return sorted(merged.values(), key=lambda r: self.order[r.layer])
+
+    def _scores(self, name: str, values: dict, feeds: dict) -> np.ndarray:
+        """The scores fetched as `name`: a Softmax's input as it is, an Attention op's with its mask applied."""
+        op = self.ops.get(name)
+        if op is None:
+            return np.asarray(values[name])
+        mask = None if not op.mask else self.masks.get(op.mask, feeds.get(op.mask, values.get(op.mask)))
+        return op.scores(np.asarray(values[name]), None if mask is None else np.asarray(mask))
+
+
+def _array(tensor) -> np.ndarray:
+    import onnx.numpy_helper
+
+    return onnx.numpy_helper.to_array(tensor)
 
 
 def checkpoint_steps(paths: list[Path], steps=None, step_pattern=None) -> list[tuple[int, Path]]:
@@ -249,6 +279,9 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
                 warnings.warn("actrace: the gates of these recurrent nodes are not read (their formulas differ "
                               "from the standard ones) and their states are kind `other`: " + "; ".join(
                                   f"{name} ({why})" for name, why in checkpoint.unread.items()), stacklevel=2)
+            if checkpoint.unread_heads and i == 0:
+                warnings.warn("actrace: the heads of these Attention ops are not read: " + "; ".join(
+                    f"{name} ({why})" for name, why in checkpoint.unread_heads.items()), stacklevel=2)
             for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
         bar.close()

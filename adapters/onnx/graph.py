@@ -46,6 +46,7 @@ class Layer:
     recurrent: Op | None = None  # a reading of a recurrent node (its `part`), computed from the node's tensors
     part: str = ""
     scores: bool = False  # an attention's scores `[B, H, Q, K]` (`output`): its derived readings, per head
+    attention: object = None  # the Attention op (opset 23) whose raw scaled scores `output` is: its mask applies
 
 
 class Graph:
@@ -230,7 +231,8 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
     """The framework's layers in graph order, each read at its output, named by module scope."""
     graph = Graph(model, input_axes)
     axes = _axes(graph)
-    attention = {scope(n)[0] for n in graph.nodes if n.op_type == "MatMul" and len(graph.data_inputs(n)) == 2}
+    attention = {scope(n)[0] for n in graph.nodes if n.op_type == "MatMul" and len(graph.data_inputs(n)) == 2
+                 or n.op_type == "Attention"}
     attention.discard(None)
     found: list[tuple[object, str, str | None, str | None, tuple]] = []  # (node, kind, module, cls, bounds)
     internal: set[int] = set()
@@ -262,6 +264,8 @@ def layers(model, input_axes: dict[str, int] | None = None) -> list[Layer]:
             found.append((node, "embedding", module, cls, None))  # a lookup in a weight table
         elif op in RECURRENT_OPS:
             found.append((node, "recurrent", module, cls, None))
+        elif op == "Attention" and node.domain in ("", "ai.onnx"):
+            found.append((node, "attention_op", module, cls, None))  # its scores, exposed, give the heads' numbers
         elif op in ("Gemm", "Conv", "ConvTranspose") or op in NORM_OPS:
             kind = OP_KINDS[op]
             if op == "Conv" and _is_folded_bn(graph, node, module, cls):
@@ -312,6 +316,10 @@ def _named(graph: Graph, found, attention: set, axes: dict) -> list[Layer]:
             continue
         if kind == "scores":  # named as the PyTorch adapter names the scope's derived readings
             out.append(Layer(module or node.name, node.input[0], "attention_logit", None, 1, scores=True))
+            continue
+        if kind == "attention_op":
+            qk = node.output[3] if len(node.output) > 3 and node.output[3] else f"{node.output[0]}/actrace_scores"
+            out.append(Layer(module or node.name, qk, "attention_logit", None, 1, scores=True, attention=node))
             continue
         if kind == "linear" and module in attention:
             if last_in_block[module] != id(node):
