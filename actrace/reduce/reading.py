@@ -3,6 +3,7 @@ and how two readings of chunks of one tensor merge by the schema's merge rules (
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -134,9 +135,10 @@ def combine(rule: str, a, b, lib=np):
     raise ValueError(f"no values to combine under merge rule {rule!r}")
 
 
-def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
+def merge(a: Reading, b: Reading, *, batch_axis: int = 0, units: bool = False) -> Reading:
     """Combine the readings of two chunks of one tensor split along `batch_axis`, column by column
-    by the schema's merge rules (`bounds` stands for `bound_lo`/`bound_hi`)."""
+    by the schema's merge rules (`bounds` stands for `bound_lo`/`bound_hi`); `units`: the axis is
+    the unit axis, so the unit counts add (the caller sets the per-unit columns, `join_units`)."""
     if len(a.shape) != len(b.shape) or any(n != m for i, (n, m) in enumerate(zip(a.shape, b.shape)) if i != batch_axis):
         raise ReductionError(f"layer {a.layer!r}: cannot merge chunks of shapes {a.shape} and {b.shape}: they differ "
                              f"on an axis other than the batch axis {batch_axis}")
@@ -144,7 +146,11 @@ def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
     for f in fields(Reading):
         name, va, vb = f.name, getattr(a, f.name), getattr(b, f.name)
         rule = MERGE.get(name, "same")
-        if rule == "same":
+        if units and name == "units":
+            out[name] = va + vb
+        elif units and name in UNIT_COLUMNS:
+            out[name] = None
+        elif rule == "same":
             if va != vb:
                 raise ReductionError(f"layer {a.layer!r}: cannot merge readings whose {name} differ "
                                      f"({va!r} vs {vb!r})")
@@ -156,6 +162,19 @@ def merge(a: Reading, b: Reading, *, batch_axis: int = 0) -> Reading:
         else:
             out[name] = combine(rule, va, vb)
     return Reading(**out)
+
+
+def join_units(parts: list[Reading]) -> Reading:
+    """One reading of a tensor whose units are split, in order, across `parts` (the ranks of a
+    tensor-parallel layer, each over the whole batch): per-unit columns concatenated, the unit
+    axis's extent and the unit count added, every other column by the schema's merge rules."""
+    first = parts[0]
+    per_unit = {name: np.concatenate([getattr(p, name) for p in parts]) for name in UNIT_COLUMNS
+                if all(getattr(p, name) is not None for p in parts)}
+    whole = functools.reduce(lambda a, b: merge(a, b, batch_axis=first.unit_axis, units=True), parts)
+    for name, value in per_unit.items():
+        setattr(whole, name, value)
+    return whole
 
 
 def fold(merged: dict, readings) -> dict:

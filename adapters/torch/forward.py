@@ -17,6 +17,7 @@ from actrace.reduce import fold
 from actrace.reduce.torch import Pending, all_reduce, reduce_tensor, relu_of, to_readings
 
 from .probe import Probe
+from .shards import UNPLACED, is_dtensor, join
 from .trace import ForwardTrace, Output, output_tensors
 
 
@@ -25,12 +26,12 @@ class ProbeForward:
     (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
 
     def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
-                 chunk: int | None, rank: int = 0, world: int = 1, heads=()):
+                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False):
         self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
-        self.histogram, self.chunk, self.rank, self.world = histogram, chunk, rank, world
-        self.trace = ForwardTrace(model, self._read, wanted, heads)
+        self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
+        self.trace = ForwardTrace(model, self._read, wanted, heads, split)
         self.warned: set[str] = set()
-        self._outputs: list[tuple[Output, Pending]] = []
+        self._outputs: list[tuple[Output, Pending, object]] = []  # and the slice of units it holds (`shards`)
 
     def axis(self, out: Output) -> int | None:
         if out.kind == "softmax" and out.axis is not None:
@@ -56,14 +57,23 @@ class ProbeForward:
         return False
 
     def _read(self, out: Output) -> None:
-        if self.floating(out):
+        shards = self.trace.shards
+        if shards is not None and is_dtensor(out.tensor):
+            out.tensor = shards.local(out.tensor, self.axis(out))
+        held = shards.of(out.tensor) if shards is not None else None
+        if held == UNPLACED:
+            if out.name not in self.warned and self.rank == 0:  # the same on every rank: said by one
+                self.warned.add(out.name)
+                warnings.warn(f"actrace: skipping {out.name}: computed from a tensor-parallel slice by an op that "
+                              f"moves values across units, so its units cannot be placed", stacklevel=4)
+        elif self.floating(out):
             source = out.relu_of.reading if out.relu_of is not None else None
             if isinstance(source, Pending) and source.relu is not None and self.axis(out) == self.axis(out.relu_of):
                 out.reading = relu_of(source, out.name)
             else:
                 out.reading = reduce_tensor(out.tensor, self.axis(out), out.kind, layer=out.name, bounds=out.bounds,
                                             histogram=self.histogram, relu_too=out.feeds_relu)
-            self._outputs.append((out, out.reading))
+            self._outputs.append((out, out.reading, held))
         out.tensor = None  # read: the activation is not held
 
     @contextmanager
@@ -79,20 +89,24 @@ class ProbeForward:
                 m.training = training
 
     def read(self) -> list:
-        """This rank's share of the probe, chunk by chunk (one host transfer each), merged, and
-        all-reduced across data-parallel ranks."""
-        merged: dict = {}
+        """This rank's share of the probe (all of it, tensor parallel), chunk by chunk (one host
+        transfer each), merged, and across ranks all-reduced (data parallel) or joined (tensor
+        parallel: each rank's slice of a layer's units)."""
+        merged, held = {}, {}
         with self.evaluation():
-            for chunk in self.probe.chunks(self.rank, self.world, self.chunk):
+            for chunk in self.probe.chunks(*((0, 1) if self.split else (self.rank, self.world)), self.chunk):
                 self._outputs = []
                 with self.trace:
                     Probe.call(self.model, chunk)
-                for out, p in self._outputs:
+                for out, p, tag in self._outputs:
                     p.layer = out.name  # the name the trace settled on, once the chunk ran
-                fold(merged, to_readings([p for out, p in self._outputs if out.name is not None]))
+                    held[out.name] = tag
+                fold(merged, to_readings([p for out, p, _ in self._outputs if out.name is not None]))
                 self._outputs = []
         readings = list(merged.values())
-        if self.world > 1:
+        if self.split:
+            readings = join(readings, {name: tag for name, tag in held.items() if tag is not None})
+        elif self.world > 1:
             all_reduce(readings, next((t.device for t in self.model.parameters()), None))
         return readings
 
@@ -104,7 +118,7 @@ class ProbeForward:
         def note(o: Output) -> None:
             seen.append((o, _signature(o.tensor)))
             o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
-        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads])
+        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads], self.split)
         for _ in range(2):
             seen.clear()
             try:
@@ -150,7 +164,9 @@ class ProbeForward:
 
 
 def _signature(t: torch.Tensor) -> float:
-    """A cheap summary of a tensor's values, to compare two passes."""
+    """A cheap summary of a tensor's values, to compare two passes (a DTensor's: this rank's part)."""
+    if is_dtensor(t):
+        t = t.to_local()
     if t.is_nested:
         t = torch.cat([c.reshape(-1) for c in t.unbind()])
     return float(t.detach().to(torch.float64).sum())

@@ -38,6 +38,7 @@ from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bou
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
 from .recurrent import readings as recurrent_readings
+from .shards import Shards
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
@@ -112,8 +113,10 @@ class ForwardTrace(TorchFunctionMode):
     so they are the model's whatever the selection. A reading a wrapper module takes over after
     the sink saw it is renamed in place (`Output.name`), or set to None when not selected."""
 
-    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True, heads=()):
+    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True, heads=(), split=False):
         super().__init__()
+        self.split = split  # tensor parallel: the slices of units each local tensor holds are followed (`shards`)
+        self.shards = Shards() if split else None
         self.sink, self.wanted = sink, wanted
         # modules that compute a parameter (`parametrize`, weight_norm): run untraced, never read
         self.computing = {m for m in model.modules() if isinstance(m, parametrize.ParametrizationList)}
@@ -135,10 +138,14 @@ class ForwardTrace(TorchFunctionMode):
 
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
+        self.shards = Shards() if self.split else None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
                                                               always_call=True)]
         self._registry = interfaces.wrap_registry(self._interface)
+        if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
+            self._hooks += [m.register_forward_hook(lambda m, i, o: self.shards.settle(m, o, self.axes))
+                            for m in self.paths if _parallelized(m)]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -161,6 +168,8 @@ class ForwardTrace(TorchFunctionMode):
         self._busy = True
         try:
             self.axes.follow(func, args, kwargs, out)
+            if self.shards is not None:
+                self.shards.follow(name, args, kwargs, out)
             if source is not None:
                 self.relu = (out, source)
             found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
@@ -223,6 +232,13 @@ class ForwardTrace(TorchFunctionMode):
         """Sink the derived readings `compute()` gives (kind → tensor, or None), named `SCOPE.KIND`,
         computed only when one of them is selected; their names are taken once it gave them. What
         cannot be computed is said once and skipped: the model's forward goes on."""
+        if self.shards is not None:  # heads, vocabulary and experts split across ranks: not placed yet
+            if "tensor parallel" not in self.failed:
+                self.failed.add("tensor parallel")
+                if torch.distributed.get_rank() == 0:  # the same on every rank: said by one
+                    warnings.warn("actrace: a tensor-parallel model's derived readings (attention heads, log Z, "
+                                  "experts) are not read", stacklevel=2)
+            return
         bases = {kind: f"{scope}.{kind}" if scope else kind for kind in kinds}
         names = {kind: self._name(base, take=False) for kind, base in bases.items()}
         tensors = None
@@ -331,6 +347,8 @@ class ForwardTrace(TorchFunctionMode):
         self._busy = True
         try:
             probe = not torch.is_grad_enabled()
+            if self.shards is not None:
+                self.shards.note(module, output, self.axes)
             if type(module) in RECURRENT and probe and isinstance(output, tuple):
                 self._recurrent(frame, inputs, kwargs, output)
             else:
@@ -353,6 +371,8 @@ class ForwardTrace(TorchFunctionMode):
             return  # the forward raised
         axis, made = OPAQUE[type(frame.module)]
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if self.shards is not None and x is not None:  # elementwise modules keep a slice; others cannot
+            self.shards.follow("clone" if axis is SAME else type(frame.module).__name__, (x,), {}, out)
         if axis is SAME:
             self.axes.set(out, LOST if x is None or x.ndim != out.ndim else self.axes.of(x))
         else:
@@ -391,6 +411,11 @@ class ForwardTrace(TorchFunctionMode):
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
             if self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
+
+
+def _parallelized(module: torch.nn.Module) -> bool:
+    """A module `parallelize_module` distributed: a DTensor parameter of its own."""
+    return any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))
 
 
 def output_heads(model: torch.nn.Module, paths: dict, patterns) -> set:

@@ -1,0 +1,116 @@
+"""Tensor parallel (`parallelize_module` on a one-dimensional mesh): which slice of a layer's units
+each rank's local tensor holds, so that the ranks' readings join into the whole layer's: per-unit
+columns in global unit order, the rest by the schema's merge rules (spec §Columns).
+
+A parallelized module's output reaches the trace's hook as a DTensor, before the module's own hook
+makes it local: a shard on the unit axis (column parallel) is this rank's units at their global
+offset; a shard on another axis (sequence parallel) is this rank's positions, merged as probe
+chunks are; a partial sum (row parallel) is read after its reduction; a replica as it is. A local
+tensor computed elementwise from a shard (the ReLU of a column-parallel output) holds the same
+units; anything else computed from one cannot be placed, and is not read.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from actrace.reduce.reading import join_units, merge
+
+from .axes import _pointwise, _tensors
+
+UNPLACED = "unplaced"  # computed from a shard by an op that moves values across its units
+_SAME = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as",
+                   "dropout", "masked_fill", "where"})
+
+
+class Shards:
+    """The slice each local tensor of one forward holds: (unit axis, offset, units in all), or
+    ("positions", axis) for a shard along another axis, or UNPLACED; a tensor not here is whole."""
+
+    def __init__(self):
+        self.tags = WeakIdKeyDictionary()
+        self.made: dict = {}  # a parallelized module → (unit axis, slice) of its DTensor output, until made local
+
+    def note(self, module, output, axes) -> None:
+        """A parallelized module's DTensor output, at the trace's hook: the unit axis and slice its
+        local tensor will hold (`settle`)."""
+        if is_dtensor(output):
+            axis = axes.of(output)
+            self.made[module] = (axis, _slice(output, axis))
+
+    def local(self, t, axis: int | None):
+        """A DTensor output as this rank reads it (a partial sum reduced first: a collective every
+        rank makes at the same reading), its slice noted."""
+        if t.placements[0].is_partial():
+            return t.full_tensor()
+        local = t.to_local()
+        tag = _slice(t, axis)
+        if tag is not None:
+            self.tags[local] = tag
+        return local
+
+    def settle(self, module, output, axes) -> None:
+        """The local tensor a parallelized module's own output hook made of its DTensor output:
+        the same units on the same axis (a module hook of ours, registered after its own)."""
+        axis, tag = self.made.pop(module, (None, None))
+        if isinstance(output, torch.Tensor) and axis is not None:
+            axes.set(output, axis)
+            if tag is not None:
+                self.tags[output] = tag
+
+    def follow(self, name: str, args, kwargs, out) -> None:
+        """An op's output holds its sharded input's slice if the op is elementwise on it; else it cannot be placed."""
+        tagged = [(t, self.tags[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.tags]
+        if not tagged:
+            return
+        x, tag = tagged[0]
+        keeps = (name in _SAME or _pointwise(name)) and isinstance(out, torch.Tensor) and out.shape == x.shape \
+            and all(other == tag for _, other in tagged)
+        for t in _tensors(out):
+            self.tags[t] = tag if keeps else UNPLACED
+
+    def of(self, t) -> object:
+        return self.tags.get(t)
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+def _slice(t, axis: int | None):
+    """The slice of a DTensor's values this rank holds: (unit axis, offset, units in all) for a
+    shard of the unit axis, ("positions", axis) for a shard of another; None for a whole tensor."""
+    placement = t.placements[0]
+    if not placement.is_shard():
+        return None
+    dim = placement.dim % t.ndim
+    if axis is None or dim != axis % t.ndim:
+        return ("positions", dim)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return (dim, int(offset[dim]), int(t.shape[dim]))
+
+
+def join(readings: list, tags: dict) -> list:
+    """Every rank's readings of one probe reading (the same names on each; `tags`: this rank's
+    slices by reading name) as the whole model's: a unit slice's joined in unit order, a position
+    shard's merged, a replica's taken from rank 0. One collective (the readings are small)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [(r, tags.get(r.layer)) for r in readings])
+    by_key = [{(r.layer, r.stream, r.param): (r, tag) for r, tag in rank} for rank in gathered]
+    out = []
+    for key, (first, tag) in by_key[0].items():
+        parts = [rank[key] for rank in by_key if key in rank]
+        if tag is None:
+            out.append(first)
+        elif len(parts) < len(by_key):
+            continue  # a slice some rank did not read: the layer is not whole
+        elif tag[0] == "positions":
+            out.append(functools.reduce(functools.partial(merge, batch_axis=tag[1]), [r for r, _ in parts]))
+        else:
+            out.append(join_units([r for r, _ in sorted(parts, key=lambda part: part[1][1])]))
+    return out
