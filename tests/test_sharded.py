@@ -69,16 +69,25 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sharded")
-    (d / "run.py").write_text(SCRIPT)
+def launch(d, script: str, hows) -> str:
+    """`script` in `d` as one process ("one") and under torchrun on two ranks for each of `hows`,
+    each writing `d/HOW.parquet`; what the ranks printed."""
+    (d / "run.py").write_text(script)
     subprocess.run([sys.executable, d / "run.py", d / "one.parquet", "one"], check=True, timeout=HUNG)
-    for how in ("fsdp2", "tp", "fsdp2-compile", "tp-compile"):
+    printed = ""
+    for how in hows:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                                "127.0.0.1", "--master_port", _port(), d / "run.py", d / f"{how}.parquet", how],
                               timeout=HUNG, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
+        printed += done.stdout
+    return printed
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sharded")
+    launch(d, SCRIPT, ("fsdp2", "tp", "fsdp2-compile", "tp-compile"))
     return d / "one.parquet", d / "fsdp2.parquet", d / "tp.parquet", d / "fsdp2-compile.parquet", d / "tp-compile.parquet"
 
 
@@ -158,14 +167,8 @@ LLAMA = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
-    (d / "run.py").write_text(LLAMA)
-    one = subprocess.run([sys.executable, d / "run.py", d / "one.parquet", "one"], timeout=HUNG, capture_output=True,
-                         text=True)
-    tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                         "127.0.0.1", "--master_port", _port(), d / "run.py", d / "tp.parquet", "tp"],
-                        timeout=HUNG, capture_output=True, text=True)
-    assert one.returncode == 0 and tp.returncode == 0, (one.stderr + tp.stderr)[-3000:]
-    return d / "one.parquet", d / "tp.parquet", tp.stdout
+    printed = launch(d, LLAMA, ("tp",))
+    return d / "one.parquet", d / "tp.parquet", printed
 
 
 def test_a_tensor_parallel_llama_reads_its_layers_as_one_process_and_says_what_it_cannot_place(llama_runs):
@@ -209,3 +212,46 @@ def test_a_slice_is_carried_by_elementwise_ops_alone():
     for name, (out, args) in lost.items():
         shards.follow(name, args, {}, out)
         assert shards.of(out) == UNPLACED, name
+
+
+SEQUENCE = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    from actrace.adapters.torch import Monitor
+
+    out, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 16), nn.LayerNorm(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    ids = torch.randint(0, 64, (3, 8))
+    if how == "sp":  # Megatron's sequence parallel: the norm on each rank's positions, the linears on its units
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                       parallelize_module)
+        dist.init_process_group("gloo")
+        parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), {
+            "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), "1": SequenceParallel(),
+            "2": ColwiseParallel(input_layouts=Shard(1)), "4": RowwiseParallel(output_layouts=Shard(1))})
+    with Monitor(model, ids, out, grad_every=None) as mon:
+        mon.probe_reading(0)
+    if how == "sp":
+        dist.destroy_process_group()
+""")
+
+
+def test_a_sequence_parallel_norm_merges_over_positions_between_split_linears(tmp_path):
+    """Embedding (row parallel, reduce-scattered over positions), a LayerNorm on each rank's 4 of 8
+    positions, column- then row-parallel linears: every reading, per unit, equals one process's,
+    the norm's merged over the ranks' positions into its whole [3, 8, 16]."""
+    launch(tmp_path, SEQUENCE, ("sp",))
+    one, sp = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "sp.parquet")
+    assert sorted(one) == sorted(sp) and len(one) == 5
+    for key, a in one.items():
+        b = sp[key]
+        assert (a["shape"], a["units"], a["count"], a["unit_count"]) == (b["shape"], b["units"], b["count"],
+                                                                          b["unit_count"]), key
+        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=f"{key} {name}")
+    assert sp[(0, "activation", "1", None)]["shape"] == [3, 8, 16]
+

@@ -60,8 +60,13 @@ class ProbeForward:
         shards = self.trace.shards
         if shards is not None and is_dtensor(out.tensor):
             out.tensor = shards.local(out.tensor, self.axis(out))
-        held = shards.of(out.tensor) if shards is not None else None
-        if held == UNPLACED:
+        held = shards.of(out.tensor) if shards is not None and out.tensor is not None else None
+        if out.tensor is None:
+            if out.name not in self.warned and self.rank == 0:
+                self.warned.add(out.name)
+                warnings.warn(f"actrace: skipping {out.name}: partial sums its module never reduced",
+                              stacklevel=4)
+        elif held == UNPLACED:
             if out.name not in self.warned and self.rank == 0:  # the same on every rank: said by one
                 self.warned.add(out.name)
                 warnings.warn(f"actrace: skipping {out.name}: computed from a tensor-parallel slice by an op that "

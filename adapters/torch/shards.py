@@ -32,34 +32,46 @@ class Shards:
 
     def __init__(self):
         self.tags = WeakIdKeyDictionary()
-        self.made: dict = {}  # a parallelized module → (unit axis, slice) of its DTensor output, until made local
+        self.made: dict = {}  # a parallelized module → (unit axis, DTensor output, reading) until made local
 
-    def note(self, module, output, axes) -> None:
-        """A parallelized module's DTensor output, at the trace's hook: the unit axis and slice its
-        local tensor will hold (`settle`)."""
+    def hold(self, module, output, axis, reading) -> None:
+        """A parallelized module's DTensor output, at the trace's hook (before the module's own):
+        its `reading` (name, kind, bounds) waits until the module has made it what it hands on."""
+        self.made[module] = (axis, output, reading)
+
+    def settle(self, module, output):
+        """What a parallelized module handed on, made of the DTensor `hold` kept (its own output
+        hook, which runs after the trace's, redistributed it): (the local tensor, waited for where
+        it is a collective's, its unit axis, the reading held), its slice noted; None where nothing
+        was held or the module handed on partial sums."""
+        axis, kept, reading = self.made.pop(module, (None, None, None))
+        if kept is None or not isinstance(output, torch.Tensor):
+            return None
         if is_dtensor(output):
-            axis = axes.of(output)
-            self.made[module] = (axis, _slice(output, axis))
+            local = self.local(output, axis)
+            return None if local is None else (local, axis, reading)
+        differ = [d for d in range(output.ndim) if output.shape[d] != kept.shape[d]] if output.ndim == kept.ndim \
+            else None
+        plain = output.wait() if type(output).__name__ == "AsyncCollectiveTensor" else output  # a collective's result
+        for t in {id(output): output, id(plain): plain}.values():
+            if differ is None or len(differ) > 1:
+                self.tags[t] = UNPLACED
+            elif differ:  # a shard of axis d, as redistributing to Shard(d) makes it
+                from torch.distributed.tensor import Shard
+
+                self.tags[t] = _slice_of(kept.shape, kept.device_mesh, Shard(differ[0]), axis)
+        return plain, axis, reading
 
     def local(self, t, axis: int | None):
-        """A DTensor output as this rank reads it (a partial sum reduced first: a collective every
-        rank makes at the same reading), its slice noted."""
-        if t.placements[0].is_partial():
-            return t.full_tensor()
+        """A DTensor as this rank reads it, its slice noted; None for a partial sum (read only once
+        its own module has reduced it: the trace never runs a collective of its own)."""
+        placement = t.placements[0]
+        if placement.is_partial():
+            return None
         local = t.to_local()
-        tag = _slice(t, axis)
-        if tag is not None:
-            self.tags[local] = tag
+        if placement.is_shard():
+            self.tags[local] = _slice_of(t.shape, t.device_mesh, placement, axis)
         return local
-
-    def settle(self, module, output, axes) -> None:
-        """The local tensor a parallelized module's own output hook made of its DTensor output:
-        the same units on the same axis (a module hook of ours, registered after its own)."""
-        axis, tag = self.made.pop(module, (None, None))
-        if isinstance(output, torch.Tensor) and axis is not None:
-            axes.set(output, axis)
-            if tag is not None:
-                self.tags[output] = tag
 
     def follow(self, name: str, args, kwargs, out) -> None:
         """An op's output holds its sharded input's slice if the op is elementwise on it; else it cannot be placed."""
@@ -80,19 +92,16 @@ def is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "placements")
 
 
-def _slice(t, axis: int | None):
-    """The slice of a DTensor's values this rank holds: (unit axis, offset, units in all) for a
-    shard of the unit axis, ("positions", axis) for a shard of another; None for a whole tensor."""
-    placement = t.placements[0]
-    if not placement.is_shard():
-        return None
-    dim = placement.dim % t.ndim
-    if axis is None or dim != axis % t.ndim:
+def _slice_of(shape, mesh, placement, axis: int | None):
+    """The slice of a tensor of global `shape` that this rank's `placement` (a Shard) holds:
+    (unit axis, offset, units in all) for the unit axis, ("positions", axis) for another."""
+    dim = placement.dim % len(shape)
+    if axis is None or dim != axis % len(shape):
         return ("positions", dim)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return (dim, int(offset[dim]), int(t.shape[dim]))
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, (placement,))
+    return (dim, int(offset[dim]), int(shape[dim]))
 
 
 def join(readings: list, tags: dict) -> list:

@@ -38,7 +38,7 @@ from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bou
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
 from .recurrent import readings as recurrent_readings
-from .shards import Shards
+from .shards import Shards, is_dtensor
 
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
@@ -144,8 +144,7 @@ class ForwardTrace(TorchFunctionMode):
                                                               always_call=True)]
         self._registry = interfaces.wrap_registry(self._interface)
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
-            self._hooks += [m.register_forward_hook(lambda m, i, o: self.shards.settle(m, o, self.axes))
-                            for m in self.paths if _parallelized(m)]
+            self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -282,6 +281,20 @@ class ForwardTrace(TorchFunctionMode):
         finally:
             self._inside_interface -= 1
 
+    def _settle_shard(self, module, inputs, output) -> None:
+        """A parallelized module's own hook made its output local (or redistributed it): that is
+        read, on the same unit axis, under the name its DTensor output took (`shards.settle`)."""
+        settled = self.shards.settle(module, output)
+        if settled is not None:
+            local, axis, (name, kind, bounds) = settled
+            self.axes.set(output, axis)
+            self.axes.set(local, axis)
+            self._busy = True
+            try:
+                self._sink(name, kind, bounds, local, module, defer=True)
+            finally:
+                self._busy = False
+
     @staticmethod
     def _settle_last(frame: _Frame) -> None:
         """The wrapper's last reading was not its output: it keeps its own name, if selected."""
@@ -347,8 +360,6 @@ class ForwardTrace(TorchFunctionMode):
         self._busy = True
         try:
             probe = not torch.is_grad_enabled()
-            if self.shards is not None:
-                self.shards.note(module, output, self.axes)
             if type(module) in RECURRENT and probe and isinstance(output, tuple):
                 self._recurrent(frame, inputs, kwargs, output)
             else:
@@ -409,7 +420,9 @@ class ForwardTrace(TorchFunctionMode):
             name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
-            if self.wanted(name, frame.module):
+            if self.wanted(name, frame.module) and self.shards is not None and is_dtensor(t):
+                self.shards.hold(frame.module, t, self.axes.of(t), (name, kind, module_bounds(frame.module)))
+            elif self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
 
 
