@@ -91,6 +91,17 @@ def runs(tmp_path_factory):
     return d / "one.parquet", d / "fsdp2.parquet", d / "tp.parquet", d / "fsdp2-compile.parquet", d / "tp-compile.parquet"
 
 
+def same_per_unit(one: dict, other: dict) -> None:
+    """Every reading of `one` in `other`: the same shape and counts, per-unit sums and extremes
+    within float tolerance (sums over ranks add in another order)."""
+    for key, a in one.items():
+        b = other[key]
+        assert (a["shape"], a["units"], a["count"], a["unit_count"]) == (b["shape"], b["units"], b["count"],
+                                                                          b["unit_count"]), key
+        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=f"{key} {name}")
+
+
 def _rows(path):
     return {(r["step"], r["stream"], r["layer"], r["param"]): r for r in actrace.read_table(path).to_pylist()}
 
@@ -180,12 +191,7 @@ def test_a_tensor_parallel_llama_reads_its_layers_as_one_process_and_says_what_i
     one = {k: r for k, r in _rows(one_path).items() if not r["kind"].startswith(("attention_", "log_z", "max_logit"))}
     tp = _rows(tp_path)
     assert validate(tp_path) == [] and sorted(tp) == sorted(one)
-    for key, a in one.items():
-        b = tp[key]
-        assert (a["shape"], a["units"], a["count"], a["unit_count"]) == (b["shape"], b["units"], b["count"],
-                                                                          b["unit_count"]), key
-        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
-            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=f"{key} {name}")
+    same_per_unit(one, tp)
     gate = tp[(0, "activation", "model.layers.1.mlp.gate_proj", None)]
     assert np.all(np.asarray(gate["unit_max"])[40:] == 0) and np.all(np.asarray(gate["unit_max"])[:40] > 0)
     assert stdout.count("derived readings (attention heads, log Z, experts) are not read") == 1  # rank 0 or 1 once
@@ -247,11 +253,6 @@ def test_a_sequence_parallel_norm_merges_over_positions_between_split_linears(tm
     launch(tmp_path, SEQUENCE, ("sp",))
     one, sp = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "sp.parquet")
     assert sorted(one) == sorted(sp) and len(one) == 5
-    for key, a in one.items():
-        b = sp[key]
-        assert (a["shape"], a["units"], a["count"], a["unit_count"]) == (b["shape"], b["units"], b["count"],
-                                                                          b["unit_count"]), key
-        for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max"):
-            np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=f"{key} {name}")
+    same_per_unit(one, sp)
     assert sp[(0, "activation", "1", None)]["shape"] == [3, 8, 16]
 
