@@ -325,28 +325,33 @@ def _finish(p: Pending, v: dict) -> Reading:
 
 def all_reduce(readings: list[Reading], device: torch.device | None = None, groups=(None,)) -> None:
     """Merge every rank's readings of its probe shard in place, field by field by the schema's
-    merge rules (sums and the batch extents add; minima, and maxima as minima of their negatives):
-    two collectives per process group (the default: every rank), on `device` (where the group's
-    backend wants its tensors)."""
-    for op, rules in ((dist.ReduceOp.SUM, ("sum", "concat")), (dist.ReduceOp.MIN, ("min", "max"))):
-        parts = [(r, name) for r in readings for name in _FIELDS if MERGE.get(name) in rules
-                 and getattr(r, name) is not None and (name != "shape" or r.shape)]
-        if not parts:
-            continue
-        values = [np.atleast_1d(np.asarray(_as_min(getattr(r, n), n), np.float64)) for r, n in parts]
-        flat = torch.from_numpy(np.concatenate(values)).to(device or "cpu")
-        for group in groups:
-            dist.all_reduce(flat, op=op, group=group)
-        host, pos = flat.cpu().numpy(), 0
-        for (r, name), v in zip(parts, values):
-            new, pos = _as_min(host[pos: pos + v.size], name), pos + v.size
-            old = getattr(r, name)
-            if name == "shape":  # `concat`: the batch extent adds
-                r.shape = (int(new[0]), *r.shape[1:])
-            elif isinstance(old, np.ndarray):
-                setattr(r, name, new.astype(old.dtype))
-            else:
-                setattr(r, name, type(old)(new[0]))
+    merge rules (sums and the batch extents add; minima, and maxima as minima of their negatives,
+    skipping NaN): one collective per process group (the default: every rank), an all-gather of
+    every field at once, on `device` (where the group's backend wants its tensors)."""
+    parts = [(r, name, rule) for rules in (("sum", "concat"), ("min", "max")) for r in readings for name in _FIELDS
+             if (rule := MERGE.get(name)) in rules and getattr(r, name) is not None and (name != "shape" or r.shape)]
+    if not parts:
+        return
+    values = [np.atleast_1d(np.asarray(_as_min(getattr(r, n), n), np.float64)) for r, n, _ in parts]
+    sizes = np.array([v.size for v in values])
+    added = np.repeat([rule in ("sum", "concat") for _, _, rule in parts], sizes)
+    flat = np.concatenate(values)
+    for group in groups:
+        mine = torch.from_numpy(flat).to(device or "cpu")
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        stacked = torch.stack(every).cpu().numpy()
+        flat = np.where(added, stacked.sum(0), np.fmin.reduce(stacked, axis=0))
+    pos = 0
+    for (r, name, _), v in zip(parts, values):
+        new, pos = _as_min(flat[pos: pos + v.size], name), pos + v.size
+        old = getattr(r, name)
+        if name == "shape":  # `concat`: the batch extent adds
+            r.shape = (int(new[0]), *r.shape[1:])
+        elif isinstance(old, np.ndarray):
+            setattr(r, name, new.astype(old.dtype))
+        else:
+            setattr(r, name, type(old)(new[0]))
 
 
 def _as_min(value, name: str):
