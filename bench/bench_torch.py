@@ -1,9 +1,10 @@
 """PyTorch adapter bench, CPU, 2 threads: probe-reading and gradient-reading overhead.
 
-For five models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
+For seven models (MLP 8×1024 ReLU on a 256-example probe; a 4-layer CNN on 32×32×3; a 4-layer
 transformer encoder, d=256, on 32×128 tokens; six conv-BatchNorm blocks on a batch of 16 16×16
 images; a 2-layer LSTM, 256 wide, on 64 sequences of 50 steps, whose gates actrace recomputes and
-the hooks do not see), side by side in one run:
+the hooks do not see; Hugging Face Llamas of 32 layers × 64 and 8 × 512 on 8×64 tokens), side by
+side in one run:
   - a plain `no_grad` eval forward of the probe (the reference, 1.00×);
   - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer),
     and the same without histograms (`Monitor(histogram=False)`);
@@ -13,7 +14,7 @@ the hooks do not see), side by side in one run:
   - a training step with actrace gradient readings at every step vs a plain training step.
 The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
 the median over rounds of the two cases' times in the same round (`paired`).
-Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer cnn-bn lstm]
+Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer cnn-bn lstm llama-deep llama-wide]
 """
 from __future__ import annotations
 
@@ -75,8 +76,22 @@ def lstm():
     return Recurrent(), torch.randn(64, 50, 128), lambda out: out.pow(2).mean()
 
 
+def llama(layers: int, width: int):
+    """Hugging Face's Llama (SDPA attention, heads of 32) on 8 sequences of 64 tokens: 32 layers of
+    64 is the regime where per-op overhead dominates (as a GPU puts a large model in), 8 of 512
+    the compute-bound one."""
+    import transformers
+
+    heads = max(1, width // 32)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=4 * width,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaModel(cfg), torch.randint(0, 256, (8, 64)), \
+        lambda out: out.last_hidden_state.pow(2).mean()
+
+
 MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transformer, "cnn-bn 6-block": cnn_bn,
-          "lstm 2x256": lstm}
+          "lstm 2x256": lstm, "llama-deep 32x64": lambda: llama(32, 64), "llama-wide 8x512": lambda: llama(8, 512)}
 
 
 def interleaved(cases: dict, repeat: int, sync, calls: int = 1) -> dict[str, list[float]]:
