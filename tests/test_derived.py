@@ -412,6 +412,11 @@ def _tricky_scores(case: str) -> torch.Tensor:
         x[1, 2, 3, 4] = math.nan
     elif case == "peaked":
         x[:, :, :, 3] += 2000.0  # one key far above: exponents that underflow
+    elif case == "nan-masked-elsewhere":  # a NaN at a key another head masks: left out with the key
+        x[0, 0, :, 2] = torch.finfo(torch.float32).min
+        x[0, 1, 1, 2] = math.nan
+    elif case == "large":  # logits far from 0, where a float32 sum of p·x would cancel
+        x = x + 1000.0
     elif case == "long":  # 300 keys: whole vectors of the kernel's lanes and a tail, a key masked in one head
         x = torch.randn(2, 3, 5, 300, generator=g) * 6
         x[0, 1, :, 17] = torch.finfo(torch.float32).min
@@ -420,7 +425,7 @@ def _tricky_scores(case: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
 @pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
-                                  "long"])
+                                  "nan-masked-elsewhere", "large", "long"])
 def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, monkeypatch):
     """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
     elsewhere a softmax in a reused buffer, entropy as log Z minus the expected logit) give the
@@ -520,11 +525,13 @@ def test_only_attentions_and_routers_give_derived_readings_and_a_keyword_softmax
     assert sorted(rows["layer"]) == ["attention_entropy", "attention_logit", "attention_sink"]
 
 
-@pytest.mark.parametrize("case", ["causal-window", "softcap-padding"])
+@pytest.mark.parametrize("case", ["causal-window", "softcap-padding", "bidirectional-window", "full-mask"])
 def test_an_implementations_call_gives_the_scores_its_mask_and_options_say(case):
     """The scores read from an attention implementation's call (flash's arguments) are those its
     mask and options define: causal aligned to the last key with a sliding window of 3 (Hugging
-    Face's: a key at most 2 positions back), or Gemma's soft cap with a `[B, K]` padding mask."""
+    Face's: a key at most 2 positions back); Gemma's soft cap with a `[B, K]` padding mask; a
+    non-causal window (ModernBERT's local layers: at most 2 positions either way, as flash's); a
+    4-D mask given to a causal module (a bidirectional prefix), which alone decides, as in SDPA."""
     from actrace.adapters.torch.derived import interface_logits
     from actrace.reduce import derived as definition
 
@@ -536,11 +543,18 @@ def test_an_implementations_call_gives_the_scores_its_mask_and_options_say(case)
     if case == "causal-window":
         got = interface_logits(None, q, k, None, scaling=0.5, sliding_window=3, is_causal=True)
         want = scores.masked_fill((gap < 0) | (gap >= 3), low)
-    else:
+    elif case == "softcap-padding":
         padding = torch.ones(2, 7, dtype=torch.long)
         padding[1, :2] = 0
         got = interface_logits(None, q, k, padding, scaling=0.5, softcap=2.0, is_causal=False)
         want = (torch.tanh(scores / 2.0) * 2.0).masked_fill(padding[:, None, None, :] == 0, low)
+    elif case == "bidirectional-window":
+        got = interface_logits(None, q, k, None, scaling=0.5, sliding_window=3, is_causal=False)
+        want = scores.masked_fill(gap.abs() >= 3, low)
+    else:
+        allowed = (gap >= 0) | (torch.arange(7) < 4)  # the first 4 keys seen by every query
+        got = interface_logits(nn.Module(), q, k, allowed[None, None], scaling=0.5, is_causal=True)
+        want = scores.masked_fill(~allowed, low)
     fast, expect = attention(got), definition.attention(want.numpy())
     for kind in ATTENTION_KINDS:
         np.testing.assert_allclose(fast[kind].numpy(), expect[kind], rtol=1e-5, atol=1e-6, err_msg=kind)

@@ -339,3 +339,22 @@ def test_an_attention_op_reads_its_mask_and_causal_rule_as_pytorch_reads_sdpa(tm
             np.testing.assert_allclose(o[col], t[col], rtol=1e-4, atol=1e-5, err_msg=f"{name} {col}")
     first = derived["torch"]["0.attention_sink"]
     assert (np.asarray(first["unit_max"]) == 1.0).all() == causal  # the first query attends key 0 alone
+
+
+def test_an_attention_ops_additive_mask_leaves_keys_out_by_its_own_dtype():
+    """A float16 mask of −65504 (its dtype's lowest) leaves the key out, as a float32 one of
+    float32's lowest does: the scores are float32, but the mask is judged in its own dtype."""
+    from onnx import helper
+
+    from actrace.adapters.onnx.attention_op import AttentionOp
+    from actrace.reduce.derived import attention
+
+    op = AttentionOp(helper.make_node("Attention", ["Q", "K", "V", "M"], ["Y"]))
+    qk = np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    for dtype in (np.float16, np.float32):
+        mask = np.zeros((3, 4), dtype)
+        mask[:, 0] = np.finfo(dtype).min  # key 0 left out for every query
+        got = attention(op.scores(qk, mask))
+        want = attention(qk[..., 1:])
+        for kind in ATTENTION_KINDS:
+            np.testing.assert_allclose(got[kind], want[kind], rtol=1e-6, err_msg=f"{dtype} {kind}")

@@ -41,10 +41,13 @@ SCRIPT = textwrap.dedent("""
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # FSDP averages the ranks' gradients: the batch's
     if how.startswith("tp"):  # every rank the whole batch, each a slice of the linears' units
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        local = how != "tp-dtensor"  # else the ReLU between gets and gives a DTensor
+        parallelize_module(model, mesh, {"0": ColwiseParallel(use_local_output=local),
+                                         "2": RowwiseParallel(input_layouts=Shard(-1))})
     if how.endswith("compile"):
         model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -87,8 +90,9 @@ def launch(d, script: str, hows) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharded")
-    launch(d, SCRIPT, ("fsdp2", "tp", "fsdp2-compile", "tp-compile"))
-    return d / "one.parquet", d / "fsdp2.parquet", d / "tp.parquet", d / "fsdp2-compile.parquet", d / "tp-compile.parquet"
+    hows = ("fsdp2", "tp", "fsdp2-compile", "tp-compile", "tp-dtensor")
+    launch(d, SCRIPT, hows)
+    return (d / "one.parquet", *(d / f"{how}.parquet" for how in hows))
 
 
 def same_per_unit(one: dict, other: dict) -> None:
@@ -106,14 +110,14 @@ def _rows(path):
     return {(r["step"], r["stream"], r["layer"], r["param"]): r for r in actrace.read_table(path).to_pylist()}
 
 
-SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4}
+SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5}
 
 
 @pytest.mark.parametrize("how", SHARDED)
 def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
     """FSDP2 (each rank its share of the probe, its shards of the parameters) and tensor parallel
-    (column- then row-parallel linears: each rank the whole probe and a slice of the units), eager
-    or under `torch.compile`: every reading, activations per unit in the model's unit order
+    (column- then row-parallel linears: each rank the whole probe and a slice of the units; their
+    outputs local or DTensors), eager or under `torch.compile`: every reading, activations per unit in the model's unit order
     included, equals one process's on the same weights and batch."""
     path = runs[SHARDED[how]]
     one, sharded = _rows(runs[0]), _rows(path)

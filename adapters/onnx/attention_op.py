@@ -38,8 +38,10 @@ class AttentionOp:
         x = qk.astype(np.float32)
         if self.softcap > 0:
             x = self.softcap * np.tanh(x / self.softcap)
-        if mask is not None:
-            x = np.where(mask, x, -np.inf) if mask.dtype == np.bool_ else x + mask
+        if mask is not None and mask.dtype == np.bool_:
+            x = np.where(mask, x, -np.inf)
+        elif mask is not None:  # an additive mask leaves a key out at half its own dtype's lowest or below
+            x = np.where(mask <= np.finfo(mask.dtype).min / 2, -np.inf, x + mask.astype(np.float32))
         if self.causal:
             x = np.where(np.tri(*x.shape[-2:], dtype=bool), x, -np.inf)
         return x

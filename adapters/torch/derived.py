@@ -43,24 +43,26 @@ def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
-    """`kernel.attention_scores` in torch: one fused softmax into a reused buffer; log Z is the
-    peak minus the log of the largest probability, the entropy (nats) log Z minus the expected
-    logit: no logarithm per score."""
+    """`kernel.attention_scores` in torch: the scores less their peak into a reused buffer, one
+    fused softmax of them into another; the entropy (nats) is −log of the largest probability less
+    the expected score about the peak (no logarithm per score, and no cancellation at large logits)."""
     batch, heads, queries, keys = x.shape
-    masked = x.amin(1) <= lowest  # [B, Q, K]: a key some head leaves out; NaN is read
+    masked = (x <= lowest).any(1)  # [B, Q, K]: a key some head leaves out (its NaN with it); NaN is read
     masked = masked if bool(masked.any()) else None
     n = torch.full((batch, queries), keys, device=x.device) if masked is None else keys - masked.sum(-1)
+    d = scratch_like(x, torch.float32, slot=2)
     if masked is not None:  # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
-        x = torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=scratch_like(x, torch.float32, slot=2))
-    p = torch.ops.aten._softmax.out(x, -1, False, out=scratch_like(x, torch.float32))
+        x = torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=d)
+    peak = x.amax(-1, keepdim=True)
+    d = torch.sub(x, peak, out=d)
+    p = torch.ops.aten._softmax.out(d, -1, False, out=scratch_like(x, torch.float32))
     if masked is not None and bool(masked[..., 0].any()):  # a query that may not attend key 0 (left padding)
         first = (~masked).to(torch.int8).argmax(-1)  # its first key
         sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
     else:
         sink = p[..., 0].clone()
-    peak = x.amax(-1)
-    log_z = peak - p.amax(-1).log()
-    return peak, log_z - p.mul_(x).sum(-1), sink, n  # Σ p·x in place: p is not needed after
+    nats = -p.amax(-1).log() - p.mul_(d).sum(-1)  # Σ p·(x − peak) in place: p is not needed after
+    return peak.squeeze(-1), nats, sink, n
 
 
 def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -99,10 +101,11 @@ def interface_logits(module, query: torch.Tensor, key: torch.Tensor, mask, scali
     lq, lk = x.shape[-2:]
     gap = torch.arange(lq, device=x.device)[:, None] + (lk - lq) - torch.arange(lk, device=x.device)  # query − key
     causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-    if causal and lq > 1:
+    if causal and lq > 1 and (mask is None or mask.ndim == 2):  # a full mask given says it all, as in SDPA
         x.masked_fill_(gap < 0, _LEFT_OUT)
-    if sliding_window is not None:
-        x.masked_fill_(gap >= sliding_window, _LEFT_OUT)
+    if sliding_window is not None:  # a key within the window back; and ahead, where not causal (flash's)
+        outside = gap >= sliding_window
+        x.masked_fill_(outside if causal else outside | (gap <= -sliding_window), _LEFT_OUT)
     if mask is not None and mask.ndim == 2:  # padding: the keys of real tokens
         return x.masked_fill_(~mask.bool()[:, None, None, -lk:], _LEFT_OUT)
     return _masked(x, mask, allowed=True)

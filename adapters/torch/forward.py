@@ -71,6 +71,8 @@ class ProbeForward:
                 self.warned.add(out.name)
                 warnings.warn(f"actrace: skipping {out.name}: computed from a tensor-parallel slice by an op that "
                               f"moves values across units, so its units cannot be placed", stacklevel=4)
+        elif isinstance(held, tuple) and held[0] != "positions" and not out.tensor.numel():
+            pass  # a rank holding none of the layer's units (more ranks than units): the others hold them all
         elif self.floating(out):
             source = out.relu_of.reading if out.relu_of is not None else None
             if isinstance(source, Pending) and source.relu is not None and self.axis(out) == self.axis(out.relu_of):

@@ -12,6 +12,7 @@ units; anything else computed from one cannot be placed, and is not read.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -116,10 +117,15 @@ def join(readings: list, tags: dict) -> list:
         parts = [rank[key] for rank in by_key if key in rank]
         if tag is None:
             out.append(first)
-        elif len(parts) < len(by_key):
-            continue  # a slice some rank did not read: the layer is not whole
-        elif tag[0] == "positions":
+        elif tag[0] == "positions" and len(parts) == len(by_key):
             out.append(functools.reduce(functools.partial(merge, batch_axis=tag[1]), [r for r, _ in parts]))
-        else:
+        elif tag[0] != "positions" and sum(r.units for r, _ in parts) == tag[2]:  # a rank of no units reads none
             out.append(join_units([r for r, _ in sorted(parts, key=lambda part: part[1][1])]))
+        elif dist.get_rank() == 0 and first.layer not in _said:
+            _said.add(first.layer)
+            warnings.warn(f"actrace: skipping {first.layer}: some rank did not read its slice, so the layer is not "
+                          f"whole", stacklevel=3)
     return out
+
+
+_said: set[str] = set()  # layers whose slices were incomplete, said once

@@ -148,12 +148,14 @@ class ForwardTrace(TorchFunctionMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._flush()
-        for h in self._hooks:
-            h.remove()
-        interfaces.restore(self._registry)
-        self._hooks, self.stack, self._registry = [], [], {}
-        return super().__exit__(*exc)
+        try:
+            self._flush()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            interfaces.restore(self._registry)
+            self._hooks, self.stack, self._registry = [], [], {}
+            super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -420,7 +422,8 @@ class ForwardTrace(TorchFunctionMode):
             name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
-            if self.wanted(name, frame.module) and self.shards is not None and is_dtensor(t):
+            if self.wanted(name, frame.module) and self.shards is not None and is_dtensor(t) \
+                    and _parallelized(frame.module):  # read once its own hook has made it local
                 self.shards.hold(frame.module, t, self.axes.of(t), (name, kind, module_bounds(frame.module)))
             elif self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
