@@ -72,15 +72,15 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-def launch(d, script: str, hows) -> str:
-    """`script` in `d` as one process ("one") and under torchrun on two ranks for each of `hows`,
-    each writing `d/HOW.parquet`; what the ranks printed."""
+def launch(d, script: str, hows, ranks: int = 2) -> str:
+    """`script` in `d` as one process ("one") and under torchrun on `ranks` ranks for each of
+    `hows`, each writing `d/HOW.parquet`; what the ranks printed."""
     (d / "run.py").write_text(script)
     subprocess.run([sys.executable, d / "run.py", d / "one.parquet", "one"], check=True, timeout=HUNG)
     printed = ""
     for how in hows:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                               "127.0.0.1", "--master_port", _port(), d / "run.py", d / f"{how}.parquet", how],
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                               "--master_addr", "127.0.0.1", "--master_port", _port(), d / "run.py", d / f"{how}.parquet", how],
                               timeout=HUNG, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         printed += done.stdout
@@ -259,4 +259,38 @@ def test_a_sequence_parallel_norm_merges_over_positions_between_split_linears(tm
     assert sorted(one) == sorted(sp) and len(one) == 5
     same_per_unit(one, sp)
     assert sp[(0, "activation", "1", None)]["shape"] == [3, 8, 16]
+
+
+UNEVEN = textwrap.dedent("""
+    import sys, warnings
+    import torch, torch.distributed as dist
+    from torch import nn
+    from actrace.adapters.torch import Monitor
+
+    out, how = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 3), nn.ReLU())
+    if how == "tp":  # 3 units over 4 ranks: 1, 1, 1 and none
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        dist.init_process_group("gloo")
+        parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), {"0": ColwiseParallel()})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(model, torch.randn(6, 8), out, grad_every=None) as mon:
+            mon.probe_reading(0)
+    assert not [w for w in said if "skipping" in str(w.message)], [str(w.message) for w in said]
+    if how == "tp":
+        dist.destroy_process_group()
+""")
+
+
+def test_more_ranks_than_units_join_the_slices_the_others_hold(tmp_path):
+    """Column parallel over 4 ranks of a 3-unit layer: one rank holds none, says nothing, and the
+    three slices join into the layer one process reads."""
+    launch(tmp_path, UNEVEN, ("tp",), ranks=4)
+    one, tp = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "tp.parquet")
+    assert sorted(one) == sorted(tp) and len(one) == 2
+    same_per_unit(one, tp)
 
