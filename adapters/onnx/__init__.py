@@ -156,8 +156,10 @@ class Checkpoint:
         model = _load(self.path)
         tensors = select_tensors(model, layers, op_types, input_axes)
         # an Attention op's scores are exposed as its fourth output; one with a cache or window is not read
-        self.ops = {t.output: AttentionOp(t.attention) for t in tensors if t.attention is not None}
-        self.tensors = [t for t in tensors if t.output not in self.ops or not self.ops[t.output].unread]
+        ops = {t.output: AttentionOp(t.attention) for t in tensors if t.attention is not None}
+        self.unread_heads = {t.name: ops[t.output].unread for t in tensors if t.output in ops and ops[t.output].unread}
+        self.ops = {name: op for name, op in ops.items() if not op.unread}
+        self.tensors = [t for t in tensors if t.output not in ops or t.output in self.ops]
         self.lost = [t.name for t in self.tensors if t.axis is None]
         # a ReLU of a tensor read anyway is read from that tensor's pass, its own output not fetched
         read = {t.output: t for t in self.tensors}
@@ -168,14 +170,10 @@ class Checkpoint:
         self.recurrent = [(op, [t for t in self.tensors if t.recurrent is op]) for op in ops]  # and its readings
         self.unread = {t.name: t.recurrent.unread for t in self.tensors
                        if t.recurrent and t.recurrent.unread and t.part.count(".") == 0}
-        self.unread_heads = {t.name: op.unread for t in tensors if (op := self.ops.get(t.output)) and op.unread}
         constants = {i.name: i for i in model.graph.initializer}
         inputs = {i.name for i in model.graph.input}
         self.masks: dict[str, object] = {}  # an Attention op's mask: a constant's value, or the name to feed or fetch
-        for name, op in list(self.ops.items()):
-            if op.unread:
-                del self.ops[name]
-                continue
+        for name, op in self.ops.items():
             op.expose(name)
             if op.mask in constants:
                 self.masks[op.mask] = _array(constants[op.mask])

@@ -73,9 +73,7 @@ def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
     scale = arg(args, kwargs, 6, "scale")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not isinstance(k, torch.Tensor) or k.ndim != 4:
         return None
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of query heads
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    x = _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
+    x = _scaled_scores(q, k, scale)
     if causal:
         x.masked_fill_(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
     return _masked(x, mask, allowed=True)
@@ -93,9 +91,7 @@ def interface_logits(module, query: torch.Tensor, key: torch.Tensor, mask, scali
         raise ValueError("an attention with learned sink logits (s_aux) is not read")
     if not isinstance(mask, torch.Tensor | None):
         raise ValueError(f"a {type(mask).__name__} mask is not read")
-    if key.shape[1] != query.shape[1]:  # grouped-query attention
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
-    x = _scores(query * (scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])), key)
+    x = _scaled_scores(query, key, scaling)
     if softcap:
         x.div_(softcap).tanh_().mul_(softcap)
     lq, lk = x.shape[-2:]
@@ -142,6 +138,14 @@ def mha_logits(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -
         mask = mask.reshape(batch, heads, lq, s)
     x = _masked(x, mask, allowed=False)
     return _masked(x, None if padding is None else padding.reshape(batch, 1, 1, s), allowed=False)
+
+
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """`_scores` of `[B, H, Q, E]` queries scaled (by 1/√E unless given) and `[B, h, K, E]` keys, a
+    key head serving each of its group of query heads (grouped-query attention)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -62,15 +62,10 @@ class ProbeForward:
             out.tensor = shards.local(out.tensor, self.axis(out))
         held = shards.of(out.tensor) if shards is not None and out.tensor is not None else None
         if out.tensor is None:
-            if out.name not in self.warned and self.rank == 0:
-                self.warned.add(out.name)
-                warnings.warn(f"actrace: skipping {out.name}: partial sums its module never reduced",
-                              stacklevel=4)
+            self._skipped_slice(out.name, "partial sums its module never reduced")
         elif held == UNPLACED:
-            if out.name not in self.warned and self.rank == 0:  # the same on every rank: said by one
-                self.warned.add(out.name)
-                warnings.warn(f"actrace: skipping {out.name}: computed from a tensor-parallel slice by an op that "
-                              f"moves values across units, so its units cannot be placed", stacklevel=4)
+            self._skipped_slice(out.name, "computed from a tensor-parallel slice by an op that moves values across "
+                                          "units, so its units cannot be placed")
         elif isinstance(held, tuple) and held[0] != "positions" and not out.tensor.numel():
             pass  # a rank holding none of the layer's units (more ranks than units): the others hold them all
         elif self.floating(out):
@@ -82,6 +77,12 @@ class ProbeForward:
                                             histogram=self.histogram, relu_too=out.feeds_relu)
             self._outputs.append((out, out.reading, held))
         out.tensor = None  # read: the activation is not held
+
+    def _skipped_slice(self, name: str, why: str) -> None:
+        """A tensor-parallel reading skipped: the same on every rank, so said once, by rank 0."""
+        if name not in self.warned and self.rank == 0:
+            self.warned.add(name)
+            warnings.warn(f"actrace: skipping {name}: {why}", stacklevel=5)
 
     @contextmanager
     def evaluation(self):
@@ -112,7 +113,7 @@ class ProbeForward:
                 self._outputs = []
         readings = list(merged.values())
         if self.split:
-            readings = join(readings, {name: tag for name, tag in held.items() if tag is not None})
+            readings = join(readings, held)
         elif self.world > 1:
             all_reduce(readings, next((t.device for t in self.model.parameters()), None))
         return readings

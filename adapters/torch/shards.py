@@ -75,12 +75,19 @@ class Shards:
         return local
 
     def follow(self, name: str, args, kwargs, out) -> None:
-        """An op's output holds its sharded input's slice if the op is elementwise on it; else it cannot be placed."""
-        tagged = [(t, self.tags[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.tags]
+        """An op's output, as `carry` says: the op is elementwise if aten tags it pointwise."""
+        inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t in self.tags]
+        if inputs:
+            self.carry(inputs, out, name in _SAME or _pointwise(name))
+
+    def carry(self, inputs, out, elementwise: bool) -> None:
+        """`out` holds its sharded inputs' slice if it was computed from them elementwise, in their
+        shape; else it cannot be placed."""
+        tagged = [(t, self.tags[t]) for t in inputs if t in self.tags]
         if not tagged:
             return
         x, tag = tagged[0]
-        keeps = (name in _SAME or _pointwise(name)) and isinstance(out, torch.Tensor) and out.shape == x.shape \
+        keeps = elementwise and isinstance(out, torch.Tensor) and out.shape == x.shape \
             and all(other == tag for _, other in tagged)
         for t in _tensors(out):
             self.tags[t] = tag if keeps else UNPLACED

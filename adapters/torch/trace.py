@@ -385,7 +385,7 @@ class ForwardTrace(TorchFunctionMode):
         axis, made = OPAQUE[type(frame.module)]
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if self.shards is not None and x is not None:  # elementwise modules keep a slice; others cannot
-            self.shards.follow("clone" if axis is SAME else type(frame.module).__name__, (x,), {}, out)
+            self.shards.carry([x], out, elementwise=axis is SAME)
         if axis is SAME:
             self.axes.set(out, LOST if x is None or x.ndim != out.ndim else self.axes.of(x))
         else:
@@ -431,7 +431,7 @@ class ForwardTrace(TorchFunctionMode):
 
 def _parallelized(module: torch.nn.Module) -> bool:
     """A module `parallelize_module` distributed: a DTensor parameter of its own."""
-    return any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))
+    return any(is_dtensor(p) for p in module.parameters(recurse=False))
 
 
 def output_heads(model: torch.nn.Module, paths: dict, patterns) -> set:
