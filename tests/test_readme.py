@@ -36,7 +36,8 @@ def test_every_readme_code_block_runs(tmp_path):
     assert {p.name for p in (tmp_path / "runs").glob("*.parquet")} == {"baseline.parquet", "teamB.parquet",
                                                                         "mlx-run.parquet", "lstm.parquet", "heads.parquet",
                                                                         "bert-hf.parquet", "lightning.parquet", "fsdp.parquet",
-                                                                        "tp.parquet", "keras.parquet", "flax.parquet"}
+                                                                        "tp.parquet", "pp.parquet", "keras.parquet",
+                                                                        "flax.parquet"}
     # every quickstart's run passes the default gate: no critical finding, every run closed cleanly
     gate = subprocess.run([sys.executable, "-m", "actrace.cli", "check", tmp_path / "runs"], capture_output=True,
                           text=True, timeout=HUNG)

@@ -1,5 +1,5 @@
-"""Sharded training read as one model: FSDP2 (`fully_shard`) and tensor-parallel runs, eager and
-compiled, under `torchrun` with two CPU ranks (gloo) against one process on the same weights and
+"""Sharded training read as one model: FSDP2 (`fully_shard`), tensor-parallel runs, eager and
+compiled, and pipeline stages, under `torchrun` with two CPU ranks (gloo) against one process on the same weights and
 batch. Gradients and parameters are read from their local shards, reduced across ranks, never
 gathered; a tensor-parallel layer's units from each rank's slice, joined in unit order."""
 from __future__ import annotations
@@ -50,12 +50,21 @@ SCRIPT = textwrap.dedent("""
                                          "2": RowwiseParallel(input_layouts=Shard(-1))})
     if how.endswith("compile"):
         model = torch.compile(model)
+    watched, train = model, lambda: ((model(x) - y) ** 2).mean().backward()
+    if how.startswith("pp"):  # two stages: layers 0-1 on rank 0, 2-4 on rank 1; the same probe on both
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = model[:2] if rank == 0 else model[2:] if how == "pp" else nn.Sequential(*model[2:])  # named 0-2
+        watched = PipelineStage(model, rank, 2, torch.device("cpu"))
+        schedule = ScheduleGPipe(watched, n_microbatches=4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+        train = (lambda: schedule.step(x)) if rank == 0 else (lambda: schedule.step(target=y))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        with Monitor(model, probe, out, probe_every=2, param_every=1, probe_chunk=4) as mon:  # 2 chunks each
+        with Monitor(watched, probe, out, probe_every=2, param_every=1, probe_chunk=4) as mon:  # 2 chunks each
             for step in range(3):
-                ((model(x) - y) ** 2).mean().backward()
+                train()
                 mon.step(step)
                 opt.step()
                 opt.zero_grad()
@@ -90,7 +99,7 @@ def launch(d, script: str, hows, ranks: int = 2) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharded")
-    hows = ("fsdp2", "tp", "fsdp2-compile", "tp-compile", "tp-dtensor")
+    hows = ("fsdp2", "tp", "fsdp2-compile", "tp-compile", "tp-dtensor", "pp")
     launch(d, SCRIPT, hows)
     return (d / "one.parquet", *(d / f"{how}.parquet" for how in hows))
 
@@ -110,15 +119,17 @@ def _rows(path):
     return {(r["step"], r["stream"], r["layer"], r["param"]): r for r in actrace.read_table(path).to_pylist()}
 
 
-SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5}
+SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6}
 
 
 @pytest.mark.parametrize("how", SHARDED)
 def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
-    """FSDP2 (each rank its share of the probe, its shards of the parameters) and tensor parallel
+    """FSDP2 (each rank its share of the probe, its shards of the parameters), tensor parallel
     (column- then row-parallel linears: each rank the whole probe and a slice of the units; their
-    outputs local or DTensors), eager or under `torch.compile`: every reading, activations per unit in the model's unit order
-    included, equals one process's on the same weights and batch."""
+    outputs local or DTensors), eager or under `torch.compile`, and a pipeline of two stages (each
+    rank its own layers, the probe handed from stage to stage): every reading, its depth in forward
+    order and its activations per unit in the model's unit order included, equals one process's on
+    the same weights and batch."""
     path = runs[SHARDED[how]]
     one, sharded = _rows(runs[0]), _rows(path)
     assert validate(path) == [] and sorted(path.parent.glob("*.parquet*")) == sorted(runs)  # one trace each
@@ -126,8 +137,8 @@ def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
     assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
     for key, a in one.items():
         b = sharded[key]
-        assert (a["shape"], a["count"], a["units"], a["nan_count"], a["zero_count"]) == \
-               (b["shape"], b["count"], b["units"], b["nan_count"], b["zero_count"]), key
+        same = ("shape", "count", "units", "nan_count", "zero_count", "layer_index", "kind")
+        assert [a[f] for f in same] == [b[f] for f in same], key
         for name in ("sum", "sumsq", "min", "max", "update_norm"):
             if a[name] is not None:
                 np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-7, err_msg=f"{key} {name}")
@@ -294,3 +305,96 @@ def test_more_ranks_than_units_join_the_slices_the_others_hold(tmp_path):
     assert sorted(one) == sorted(tp) and len(one) == 2
     same_per_unit(one, tp)
 
+
+
+def test_pipeline_stages_that_renumber_the_models_layers_are_told_at_the_start(tmp_path):
+    """A stage rebuilt from the model's layers (`nn.Sequential(*model[2:])`: named 0-2 again) reads
+    names the other stage reads too: the Monitor refuses at construction, naming them and the fix."""
+    (tmp_path / "run.py").write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", _port(), tmp_path / "run.py", tmp_path / "a.parquet",
+                           "pp-renumbered"], timeout=HUNG, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "2 reading name(s) are read in more than one pipeline stage (0, 1)" in done.stderr, done.stderr[-3000:]
+    assert not list(tmp_path.glob("a.parquet*"))
+
+
+PIPELINE_LLAMA = textwrap.dedent("""
+    import sys, warnings
+    import torch, torch.distributed as dist
+    from torch import nn
+    import transformers
+    from actrace.adapters.torch import Monitor
+
+    class Part(nn.Module):
+        '''The layers of Hugging Face's Llama a stage holds (the others None), under the model's names.'''
+        def __init__(self, lm, first, last):
+            super().__init__()
+            self.model, self.lm_head, self.first, self.last = lm.model, lm.lm_head if last else None, first, last
+        def forward(self, x):
+            m = self.model
+            h = m.embed_tokens(x) if self.first else x
+            position = torch.arange(h.shape[1])[None]
+            rope = m.rotary_emb(h, position)
+            for layer in m.layers:
+                if layer is not None:
+                    h = layer(h, position_embeddings=rope, position_ids=position)
+            return self.lm_head(m.norm(h)) if self.last else h
+
+    out, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa", use_cache=False))
+    with torch.no_grad():
+        lm.model.layers[1].mlp.gate_proj.weight[40:] = 0.0  # 24 of 64 gate units silent: on stage 1
+    probe, ids = torch.randint(0, 64, (3, 10)), torch.randint(0, 64, (4, 10))
+    loss = lambda logits, labels: nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    watched, model, train = lm, lm, lambda: loss(lm(ids).logits, ids).backward()
+    if how == "pp":  # embeddings and layer 0 on rank 0; layer 1, the norm and the head on rank 1
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        lm.model.layers[1 - rank] = None
+        if rank == 0:
+            lm.model.norm = None
+        else:
+            lm.model.embed_tokens = None
+        model = Part(lm, rank == 0, rank == 1)
+        watched = PipelineStage(model, rank, 2, torch.device("cpu"))
+        schedule = ScheduleGPipe(watched, n_microbatches=2, loss_fn=loss)
+        train = (lambda: schedule.step(ids)) if rank == 0 else (lambda: schedule.step(target=ids))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(watched, probe, out, probe_every=2, param_every=1, logits="lm_head") as mon:  # not HF's own
+            for step in range(3):
+                train()
+                mon.step(step)
+                opt.step()
+                opt.zero_grad()
+    print("TOLD", sorted({str(w.message) for w in said if "actrace" in str(w.message)}))
+    if how == "pp":
+        dist.destroy_process_group()
+""")
+
+
+def test_a_pipeline_of_llama_stages_reads_as_one_process(tmp_path):
+    """Hugging Face's Llama in two pipeline stages (GPipe, two microbatches), each stage holding
+    its layers under the model's names: one trace whose every reading (activations per unit, the
+    attention's derived readings, gradients, parameters and update norms) and depth equals one
+    process's on the same weights and batch; the gate units silenced in stage 1 read silent."""
+    printed = launch(tmp_path, PIPELINE_LLAMA, ("pp",))
+    one, pp = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "pp.parquet")
+    assert validate(tmp_path / "pp.parquet") == [] and sorted(pp) == sorted(one)
+    assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
+    same_per_unit({k: r for k, r in one.items() if r["unit_max"] is not None}, pp)
+    for key, a in one.items():
+        for name in ("layer_index", "kind", "count", "zero_count"):
+            assert pp[key][name] == a[name], (key, name)
+        for name in ("sum", "sumsq", "min", "max", "update_norm"):
+            if a[name] is not None:
+                np.testing.assert_allclose(pp[key][name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    gate = np.asarray(pp[(0, "activation", "model.layers.1.mlp.gate_proj", None)]["unit_max"])
+    assert np.all(gate[40:] == 0) and np.all(gate[:40] > 0)
+    assert printed.count("TOLD []") == 2, printed

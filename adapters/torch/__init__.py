@@ -24,6 +24,7 @@ from actrace.reduce.torch import keep, layer_readings, update_norms
 from .forward import ProbeForward
 from .gradients import Gradients
 from .kinds import module_kind
+from .pipeline import Pipeline, is_stage
 from .probe import Probe
 from .trace import own_parameters, root_name, unwrap
 
@@ -54,12 +55,15 @@ class Monitor(Recorder):
                  exclude=None, types: tuple[type, ...] | None = None, unit_axes: dict[str, int] | None = None,
                  probe_chunk: int | None = None, activation_grads: bool = False, histogram: bool = True,
                  overwrite: bool | None = None, flush_every: int = 4096, scaler=None, logits=None):
-        self.model, self.inner = model, unwrap(model)
+        self.pipeline = Pipeline(model) if is_stage(model) else None
+        self.model = model
+        self.inner = unwrap(model.submod if self.pipeline else model)
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
         split = _tensor_parallel(self.inner)
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
-                                    histogram, probe_chunk, self.rank, self.world, patterns(logits), split == "1d")
+                                    histogram, probe_chunk, self.rank, self.world, patterns(logits), split == "1d",
+                                    self.pipeline)
         self.split = split == "2d"  # tensor parallel inside data-parallel shards: probe readings not read
         if self.split and self.rank == 0:
             warnings.warn("actrace: a tensor-parallel model on a mesh of two dimensions (with FSDP): each rank "
@@ -114,7 +118,7 @@ class Monitor(Recorder):
                           "mon.step(step) after loss.backward() and before optimizer.zero_grad()", stacklevel=3)
             self._warned_stale = True
         self.grads.fresh = False
-        readings = self.grads.read()
+        readings = self._whole(self.grads.read())
         scaled = self.grads.scaler is not None and self.grads.scaler.is_enabled()
         broken = any(r.nan_count or r.inf_count for r in readings)
         written = self.write(step, readings, mode="skipped" if scaled and broken else "train")
@@ -135,7 +139,11 @@ class Monitor(Recorder):
             r.update_norm = norm
         for k, (*_, p) in zip(keys, params):  # in place: no second copy of the model's weights at once
             self._previous[k] = keep(p, self._previous.get(k))
-        return self.write(step, readings, mode="train")
+        return self.write(step, self._whole(readings), mode="train")
+
+    def _whole(self, readings: list) -> list:
+        """This rank's gradient or parameter readings, with every other stage's in a pipeline."""
+        return readings if self.pipeline is None else self.pipeline.gather(readings)
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before

@@ -26,9 +26,10 @@ class ProbeForward:
     (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
 
     def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
-                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False):
+                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False, pipeline=None):
         self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
         self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
+        self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
         self.trace = ForwardTrace(model, self._read, wanted, heads, split)
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, Pending, object]] = []  # and the slice of units it holds (`shards`)
@@ -96,16 +97,24 @@ class ProbeForward:
             for m, training in modes:
                 m.training = training
 
+    def call(self, chunk, trace: ForwardTrace):
+        """The model on a probe chunk under `trace`; a pipeline stage's on what the stage before
+        handed on, with the unit axes the trace there followed."""
+        if self.pipeline is None:
+            return Probe.call(self.model, chunk)
+        return self.pipeline.call(self.model, chunk, trace.axes)
+
     def read(self) -> list:
-        """This rank's share of the probe (all of it, tensor parallel), chunk by chunk (one host
-        transfer each), merged, and across ranks all-reduced (data parallel) or joined (tensor
-        parallel: each rank's slice of a layer's units)."""
+        """This rank's share of the probe (all of it, tensor and pipeline parallel), chunk by chunk
+        (one host transfer each), merged, and across ranks all-reduced (data parallel), joined
+        (tensor parallel: each rank's slice of a layer's units) or gathered (each stage's layers)."""
         merged, held = {}, {}
+        whole = self.split or self.pipeline is not None
         with self.evaluation():
-            for chunk in self.probe.chunks(*((0, 1) if self.split else (self.rank, self.world)), self.chunk):
+            for chunk in self.probe.chunks(*((0, 1) if whole else (self.rank, self.world)), self.chunk):
                 self._outputs = []
                 with self.trace:
-                    Probe.call(self.model, chunk)
+                    self.call(chunk, self.trace)
                 for out, p, tag in self._outputs:
                     p.layer = out.name  # the name the trace settled on, once the chunk ran
                     held[out.name] = tag
@@ -114,6 +123,8 @@ class ProbeForward:
         readings = list(merged.values())
         if self.split:
             readings = join(readings, held)
+        elif self.pipeline is not None:
+            readings = self.pipeline.gather(readings)
         elif self.world > 1:
             all_reduce(readings, next((t.device for t in self.model.parameters()), None))
         return readings
@@ -131,7 +142,7 @@ class ProbeForward:
             seen.clear()
             try:
                 with self.evaluation(), trace:
-                    result = Probe.call(self.model, self.probe.first_chunk(self.chunk))
+                    result = self.call(self.probe.first_chunk(self.chunk), trace)
             except Exception as e:  # the model's own error, whatever it is
                 first = (str(e).strip().splitlines() or [""])[0]
                 hint = "; a dict probe is passed as keyword arguments: give (probe,) to pass it as one argument" \
@@ -140,13 +151,15 @@ class ProbeForward:
                                  f"{type(e).__name__}: {first}{hint}") from e
             passes.append([(o.name, s) for o, s in seen if o.name] +
                           [(f"output{k}", _signature(t)) for k, t in output_tensors(result)])
-            if len(passes) == 1:
-                order = list(dict.fromkeys(o.name for o, _ in seen if o.name))
-                self._say_unread(order, selection, seen)
+        order = list(dict.fromkeys(o.name for o, _ in seen if o.name))
         first, second = passes
         differ = next((a for a, b in zip(first, second) if not _same(a[1], b[1])), None)
-        if differ is None and len(first) == len(second):
-            return "eval", order
+        steady = steady_everywhere = differ is None and len(first) == len(second)
+        if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
+            order, steady_everywhere = self.pipeline.order(order, steady)
+        self._say_unread(order, selection, seen)
+        if steady:
+            return "eval" if steady_everywhere else "train", order
         culprit = differ[0] if differ else "the set of layers"
         kinds = sorted({type(m).__name__ for m in self.model.modules()
                         if "dropout" in type(m).__name__.lower() or "noise" in type(m).__name__.lower()})
@@ -159,8 +172,9 @@ class ProbeForward:
         """Once, at the first pass: a selection that matches nothing, and unit axes not followed."""
         if not order and selection:
             names: list[str] = []
-            with self.evaluation(), ForwardTrace(self.model, lambda o: names.append(o.name), lambda *_: True):
-                Probe.call(self.model, self.probe.first_chunk(self.chunk))
+            every = ForwardTrace(self.model, lambda o: names.append(o.name), lambda *_: True)
+            with self.evaluation(), every:
+                self.call(self.probe.first_chunk(self.chunk), every)
             warnings.warn(f"actrace: no reading matches {selection}, so nothing will be recorded; the model's "
                           f"readings are: {', '.join(n for n in names if n)[:300]}", stacklevel=4)
         lost = [o.name for o, _ in seen if o.name and o.axis is None and o.tensor > 1
