@@ -398,3 +398,102 @@ def test_a_pipeline_of_llama_stages_reads_as_one_process(tmp_path):
     gate = np.asarray(pp[(0, "activation", "model.layers.1.mlp.gate_proj", None)]["unit_max"])
     assert np.all(gate[40:] == 0) and np.all(gate[:40] > 0)
     assert printed.count("TOLD []") == 2, printed
+
+
+EXPERTS = textwrap.dedent("""
+    import sys, warnings
+    import torch, torch.distributed as dist
+    from torch import nn
+    from actrace.adapters.torch import Monitor
+
+    class SparseMoeBlock(nn.Module):
+        '''Top-2 of 4 experts; under expert parallel each rank holds two of them and runs them on the
+        tokens of every rank (gathered, and the outputs summed back, by differentiable all-reduces).'''
+        def __init__(self, rank, world):
+            super().__init__()
+            self.rank, self.world = rank, world
+            self.gate = nn.Linear(8, 4)
+            self.experts = nn.ModuleDict({str(e): nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+                                          for e in range(4)})
+        def spread(self, t):  # every rank's rows, in rank order
+            if self.world == 1:
+                return t
+            from torch.distributed.nn.functional import all_reduce
+            whole = t.new_zeros(len(t) * self.world, *t.shape[1:])
+            return all_reduce(whole.index_copy(0, torch.arange(len(t)) + self.rank * len(t), t))
+        def forward(self, x):
+            weight, chosen = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+            x, weight, chosen = self.spread(x), self.spread(weight), self.spread(chosen.float()).long()
+            out = torch.zeros_like(x)
+            for e, expert in self.experts.items():
+                token, slot = (chosen == int(e)).nonzero(as_tuple=True)
+                out = out.index_add(0, token, expert(x[token]) * weight[token, slot, None])
+            if self.world > 1:
+                from torch.distributed.nn.functional import all_reduce
+                out = all_reduce(out).chunk(self.world)[self.rank]
+            return out
+
+    out, how = sys.argv[1], sys.argv[2]
+    rank, world = 0, 1
+    if how == "ep":
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), SparseMoeBlock(rank, world))
+    moe = model[1]
+    with torch.no_grad():
+        moe.gate.bias[3] = -100.0                       # expert 3 (rank 1's) never chosen
+        moe.experts["2"][0].bias[:4] = -100.0           # 4 of expert 2's 16 units dead (rank 1's)
+    if how == "ep":
+        for e in list(moe.experts):
+            if int(e) // 2 != rank:
+                del moe.experts[e]
+    probe, x, y = torch.randn(8, 8), torch.randn(16, 8), torch.randn(16, 8)
+    if how == "ep":
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    replicated = [p for n, p in model.named_parameters() if "experts" not in n]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(model, probe, out, probe_every=2, param_every=1) as mon:
+            for step in range(3):
+                (((model(x) - y) ** 2).sum() / 16).backward()
+                if how == "ep":
+                    for p in replicated:
+                        dist.all_reduce(p.grad)
+                mon.step(step)
+                opt.step()
+                opt.zero_grad()
+    print("TOLD", sorted({str(w.message) for w in said if "actrace" in str(w.message)}))
+    if how == "ep":
+        dist.destroy_process_group()
+""")
+
+
+def test_experts_placed_on_ranks_read_as_one_process(tmp_path):
+    """Expert parallel: four experts, two a rank, each run on the tokens every rank's router sent
+    it. Every reading (each expert's layers under its own name from the rank that holds it, the
+    router's per-expert token counts merged over the ranks' probe shares, gradients and update
+    norms) equals one process's, in its forward order; the expert no token reaches reads 0 tokens
+    and is said once, by its rank; the units killed by their bias in another read dead."""
+    printed = launch(tmp_path, EXPERTS, ("ep",))
+    one, ep = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "ep.parquet")
+    assert validate(tmp_path / "ep.parquet") == [] and sorted(ep) == sorted(one)
+    assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
+    same_per_unit({k: r for k, r in one.items() if r["unit_max"] is not None}, ep)
+    for key, a in one.items():
+        for name in ("layer_index", "kind", "count", "zero_count"):
+            assert ep[key][name] == a[name], (key, name)
+        for name in ("sum", "sumsq", "min", "max", "update_norm"):
+            if a[name] is not None:
+                np.testing.assert_allclose(ep[key][name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    load = ep[(0, "activation", "1.expert_load", None)]["unit_sum"]
+    assert load[3] == 0 and min(load[:3]) > 0 and sum(load) == 8 * 2  # 8 probe tokens, top-2
+    relu = np.asarray(ep[(0, "activation", "1.experts.2.1", None)]["unit_max"])
+    dead = [metrics(p).filter((pl.col("layer") == "1.experts.2.1") & (pl.col("step") == 0))["dead_fraction"].item()
+            for p in (tmp_path / "one.parquet", tmp_path / "ep.parquet")]
+    assert np.all(relu[:4] == 0) and dead[0] == dead[1] >= 4 / 16
+    said = [line for line in printed.splitlines() if line.startswith("TOLD")]
+    assert sorted(said) == sorted(["TOLD []", "TOLD [" + ", ".join(
+        repr(f"actrace: skipping 1.experts.3.{i}: an empty output (an expert no probe token reached?) holds no value")
+        for i in range(3)) + "]"]), said

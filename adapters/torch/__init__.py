@@ -21,6 +21,7 @@ from torch import nn
 from actrace.record import Recorder, patterns
 from actrace.reduce.torch import keep, layer_readings, update_norms
 
+from . import ranks
 from .forward import ProbeForward
 from .gradients import Gradients
 from .kinds import module_kind
@@ -86,7 +87,12 @@ class Monitor(Recorder):
                          exclude=exclude, overwrite=overwrite, flush_every=flush_every,
                          expect=("param_grad",) if trainable else (), aliases=self.grads.aliases, writes=self.rank == 0)
         self.mode, self._steps_seen, self._previous, self._warned_stale, self._alarmed = mode, 0, {}, False, False
-        for name in order + list(self.layers):
+        layers, self.placed = list(self.layers), False  # placed: layers on some ranks only (expert parallel)
+        if self.world > 1 and self.pipeline is None and split is None:
+            every = ranks.gather(layers)
+            self.placed = any(e != layers for e in every)
+            layers = ranks.merged_order(every) if self.placed else layers
+        for name in order + layers:
             self.order(name)
 
     @property
@@ -142,8 +148,11 @@ class Monitor(Recorder):
         return self.write(step, self._whole(readings), mode="train")
 
     def _whole(self, readings: list) -> list:
-        """This rank's gradient or parameter readings, with every other stage's in a pipeline."""
-        return readings if self.pipeline is None else self.pipeline.gather(readings)
+        """This rank's gradient or parameter readings, with every other stage's in a pipeline and
+        every other rank's experts under expert parallel."""
+        if self.pipeline is not None:
+            return self.pipeline.gather(readings)
+        return ranks.union(readings, add=False) if self.placed else readings
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before

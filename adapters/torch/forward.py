@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from actrace.reduce import fold
-from actrace.reduce.torch import Pending, all_reduce, reduce_tensor, relu_of, to_readings
+from actrace.reduce.torch import Pending, reduce_tensor, relu_of, to_readings
 
+from . import ranks
 from .probe import Probe
 from .shards import UNPLACED, is_dtensor, join
 from .trace import ForwardTrace, Output, output_tensors
@@ -126,7 +127,7 @@ class ProbeForward:
         elif self.pipeline is not None:
             readings = self.pipeline.gather(readings)
         elif self.world > 1:
-            all_reduce(readings, next((t.device for t in self.model.parameters()), None))
+            readings = ranks.merge_shares(readings, next((t.device for t in self.model.parameters()), None))
         return readings
 
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
@@ -157,6 +158,9 @@ class ProbeForward:
         steady = steady_everywhere = differ is None and len(first) == len(second)
         if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
             order, steady_everywhere = self.pipeline.order(order, steady)
+        elif self.world > 1 and not self.split:  # experts placed on some ranks: every rank's names
+            orders = ranks.gather(order)
+            order = order if all(o == order for o in orders) else ranks.merged_order(orders)
         self._say_unread(order, selection, seen)
         if steady:
             return "eval" if steady_everywhere else "train", order

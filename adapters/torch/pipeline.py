@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .probe import Probe
+from .ranks import gather
 
 
 def is_stage(model) -> bool:
@@ -68,8 +69,7 @@ class Pipeline:
 
     def gather(self, items: list) -> list:
         """Every stage's `items`, in stage order, on every rank."""
-        every = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, (self.index, items), group=self.group)
+        every = gather((self.index, items), self.group)
         return [item for _, mine in sorted(every, key=lambda got: got[0]) for item in mine]
 
 
