@@ -46,7 +46,8 @@ class Monitor(Recorder):
     modules whose output is vocabulary logits, read per position (log Z, max logit) besides a Hugging
     Face model's own output embeddings. `grad_every=None` reads no gradients
     (probe readings of checkpoints); otherwise a run that closes without any gradient reading says
-    so, and its trace's status is `incomplete`.
+    so, and its trace's status is `incomplete`. Under pipeline parallel, `model` is this rank's
+    `PipelineStage` (the same probe on every rank): the probe runs through the stages in turn.
     """
 
     no_gradient_hint = "step() found no gradient: call it after loss.backward() and before optimizer.zero_grad()"
