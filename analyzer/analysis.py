@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
 import polars as pl
 
+from actrace.files.location import location
 from actrace.files.reader import read_source
 
 from .compare import align
@@ -56,7 +56,7 @@ class Analysis:
         frames, runs = [], set(chosen["run"])
         for meta in self.runs:
             if meta.get("run_name") in runs:
-                table, _ = read_source(Path(meta["file"]), ["run", "layer", "stream", "step", "hist"])
+                table, _ = read_source(location(meta["file"]), ["run", "layer", "stream", "step", "hist"])
                 frames.append(pl.from_arrow(table).filter((pl.col("stream") == "activation")
                                                           & pl.col("hist").is_not_null())
                               .join(chosen, on=["run", "layer"], how="semi", maintain_order="left").drop("stream"))

@@ -228,23 +228,29 @@ def _config(pairs: list[str]) -> dict:
 
 def _stamp(path) -> float | None:
     """When the trace at `path` (or its part files) last changed; None if there is none."""
-    from pathlib import Path
-
+    from actrace.files.location import location
     from actrace.files.writer import parts_dir
 
-    times = [p.stat().st_mtime for p in (Path(path), parts_dir(Path(path))) if p.exists()]
-    return max(times) if times else None
+    times = [_mtime(p) for p in (location(path), parts_dir(location(path))) if p.exists()]
+    return max((t for t in times if t is not None), default=None) if times else None
+
+
+def _mtime(path) -> float | None:
+    """A file's change time; for a folder of objects (which has none), its newest object's."""
+    try:
+        return path.stat().st_mtime
+    except (OSError, AttributeError, KeyError, NotImplementedError):
+        return max((_mtime(p) or 0.0 for p in path.glob("part-*.parquet")), default=None) if path.is_dir() else None
 
 
 def report_trace(path, before: float | None = None) -> None:
     """Say where the trace this run recorded is, how many readings and steps it holds, and its
     size; `before`: the trace's stamp before the run, so an older trace is not reported as new."""
-    from pathlib import Path
-
     from actrace.files.describe import describe
+    from actrace.files.location import location
     from actrace.files.writer import parts_dir
 
-    path = Path(path)
+    path = location(path)
     source = path if path.exists() else parts_dir(path)
     if not source.exists() or (before is not None and _stamp(path) == before):
         older = " (the trace there is an older one)" if source.exists() else ""
@@ -317,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "writes there. The command's exit code passes through.")
     p.add_argument("model", nargs="*", metavar="MODEL.onnx", help="ONNX model files (checkpoints, globs); "
                    "or, after --, the command to run")
-    p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace to write (runs/NAME.parquet)")
+    p.add_argument("-o", "--output", required=True, metavar="TRACE",
+                   help="trace to write: runs/NAME.parquet, or a URL (s3://bucket/runs/NAME.parquet)")
     p.add_argument("--run", help="run name (default: the trace's file name)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="run metadata (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing trace")

@@ -49,3 +49,41 @@ def rendered(html: Path, chart: str):
             yield page, errors
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3 server (moto's server mode on 127.0.0.1, a free port) for the session, and the
+    standard environment that points S3 clients at it (every child process inherits it); stopped,
+    and the environment restored, after the tests that asked for it."""
+    import os
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "actrace-test-key",
+           "AWS_SECRET_ACCESS_KEY": "actrace-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.monotonic() + HUNG
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "the S3 server did not start"
+                time.sleep(0.2)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=HUNG)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

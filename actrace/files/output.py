@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from actrace.files.location import location, remote
+
 # what a command's own earlier output holds in its first KiB, by kind of output (and `[]`, an empty
 # JSON answer)
 SIGNATURES = {
@@ -32,7 +34,7 @@ def check(path, kind: str, inputs=(), force: bool = False) -> Path:
                          "elsewhere)")
     if path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name for the {kind} output")
-    for source in map(Path, inputs):  # a trace file, or a .parts directory of part files
+    for source in (s for s in map(location, inputs) if not remote(s)):  # a trace file, or a .parts directory
         inside = source.is_dir() and path.resolve().is_relative_to(source.resolve())
         if _same(path, source) or inside:
             raise ValueError(f"{path} is one of this command's inputs ({source}): it would be overwritten; "

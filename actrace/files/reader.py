@@ -5,34 +5,34 @@ version with a message naming the version it supports.
 """
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from actrace.files.location import glob, has_magic, location, remote
 from actrace.format import metadata
 from actrace.format.metadata import TraceError
 from actrace.format.schema import SCHEMA, schema_problems
 
 
-def expand(pattern) -> list[str]:
-    """A glob pattern's matches, sorted; any other path as it is (it may not exist)."""
-    pattern = str(pattern)
-    return sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+def expand(pattern) -> list:
+    """A glob pattern's matches, sorted; any other path as it is (it may not exist); local paths
+    or object-store URLs alike (`location`)."""
+    return glob(pattern) if has_magic(pattern) else [location(pattern)]
 
 
-def trace_sources(paths) -> list[Path]:
-    """Expand files, globs, `NAME.parquet.parts` dirs and folders of traces into trace sources."""
-    if isinstance(paths, (str, Path)):
+def trace_sources(paths) -> list:
+    """Expand files, globs, `NAME.parquet.parts` dirs and folders of traces, local or in object
+    storage, into trace sources."""
+    if isinstance(paths, (str, Path)) or remote(paths):
         paths = [paths]
-    sources: list[Path] = []
+    sources: list = []
     for raw in paths:
-        raw = str(raw)
         matches = expand(raw)
         if not matches:
             raise TraceError(f"{raw}: no trace matches this pattern")
-        for m in map(Path, matches):
+        for m in matches:
             if m.name.endswith(".parquet.lock"):
                 continue  # a writer's lock beside its trace (spec §Files), which `runs/*` matches too
             if not m.exists():

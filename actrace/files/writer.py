@@ -1,8 +1,9 @@
 """The crash-safe trace writer of spec/trace-v1.md §Files: buffered readings → part files → one trace.
 
-Every flush writes one complete Parquet part file (temp name, then `os.replace`) into
-`NAME.parquet.parts/`, so a killed process loses only unflushed readings; `close` compacts the
-parts into `NAME.parquet` atomically and removes them.
+Every flush writes one complete Parquet part file (temp name, then `os.replace`; in object
+storage one object, a single PUT) into `NAME.parquet.parts/`, so a killed process loses only
+unflushed readings; `close` compacts the parts into `NAME.parquet` atomically and removes them
+only after it is complete.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import atexit
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from actrace.format import metadata
 from actrace.reduce import Reading, ReductionError, reduce_array
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
+from actrace.files.location import location, remote, remove
 from actrace.files.table import readings_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
@@ -88,6 +89,13 @@ def _close_open_writers() -> None:
             w.close(at_exit=True)
 
 
+def _bucket(path) -> None:
+    """Refuse at the start an object-store trace whose bucket (or container) is not there."""
+    bucket = path.path.split("/")[0]
+    if not bucket or not path.fs.exists(bucket):
+        raise FileNotFoundError(f"{path}: no bucket {bucket!r} there (or these credentials cannot see it)")
+
+
 def parts_dir(path: Path) -> Path:
     return path.with_name(path.name + ".parts")
 
@@ -128,10 +136,16 @@ def _is_trace(path: Path) -> bool:
         return False
 
 
-def write_parquet(table: pa.Table, path: Path) -> None:
+def write_parquet(table: pa.Table, path) -> None:
     """Write `table` (pages with CRC checksums) to a temp file beside `path`, make it durable, then
     move it into place atomically and make the move durable: after a power loss the file is
-    either the old one or the whole new one."""
+    either the old one or the whole new one. An object is written whole by one PUT, which is
+    atomic: readers see the old object or the new one."""
+    if remote(path):
+        buffer = pa.BufferOutputStream()
+        pq.write_table(table, buffer, **PARQUET_OPTIONS)
+        path.write_bytes(buffer.getvalue().to_pybytes())
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
@@ -180,15 +194,19 @@ class Writer:
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
                  flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None):
-        self.path = Path(path)
+        self.path = location(path)
         self.parts = parts_dir(self.path)
         for p in (self.path, self.parts):
-            if p.is_symlink():
+            if not remote(p) and p.is_symlink():
                 raise ValueError(f"{p} is a symbolic link: a trace is not written through one")
         if self.path.is_dir():
             raise ValueError(f"{self.path} is a folder: give the trace's file name, runs/NAME.parquet")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock(self.path)
+        if remote(self.path):  # no folders to make, and no lock: one writer per trace is the user's to keep
+            _bucket(self.path)
+            self._lock = None
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = _lock(self.path)
         try:
             if self.path.exists() or self.parts.exists():
                 if not overwrite:
@@ -196,9 +214,10 @@ class Writer:
                                           f"(or --overwrite) to replace it")
                 if self.path.exists() and not _is_trace(self.path):
                     raise FileExistsError(f"{self.path} is not an actrace trace: not replaced, even with overwrite")
-                self.path.unlink(missing_ok=True)
-                shutil.rmtree(self.parts, ignore_errors=True)
-            self.parts.mkdir()
+                remove(self.path)
+                remove(self.parts)
+            if not remote(self.parts):
+                self.parts.mkdir()
         except BaseException:
             self._unlock()
             raise
@@ -244,7 +263,7 @@ class Writer:
     def discard(self) -> None:
         """Close without writing a trace (only sensible when nothing was recorded)."""
         self.closed = True
-        shutil.rmtree(self.parts, ignore_errors=True)
+        remove(self.parts)
         self._unlock()
 
     def _unlock(self) -> None:
@@ -414,7 +433,7 @@ class Writer:
         self.readings_written += len(self._rows)
         self._rows.clear()
         self.closed = True
-        shutil.rmtree(self.parts, ignore_errors=True)
+        remove(self.parts)
         self._unlock()
         return True
 
@@ -432,8 +451,9 @@ class Writer:
         flushed = self.flush()
         self.closed = True
         try:
-            parts = sorted(self.parts.glob("part-*.parquet"))
-            tables = [pq.read_table(p, page_checksum_verification=True) for p in parts]
+            parts = sorted(self.parts.glob("part-*.parquet"), key=str)
+            tables = [pq.read_table(p if isinstance(p, Path) else p.open("rb"), page_checksum_verification=True)
+                      for p in parts]
             table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)), self.path)
         except OSError as exc:  # the trace stays as its part files, readable, status `running`
@@ -442,6 +462,6 @@ class Writer:
                           f"{self.parts}{lost}", stacklevel=2)
             self._unlock()
             return self.parts
-        shutil.rmtree(self.parts)
+        remove(self.parts)
         self._unlock()
         return self.path

@@ -56,9 +56,10 @@ def open_file(path: Path) -> pq.ParquetFile:
     """One Parquet file of a trace, opened once: its footer read, its pages' CRC checksums verified
     as they are read (a flipped bit is corruption, not a number). A footer that declares more than
     MAX_FOOTER bytes is refused before it is parsed: reading costs what the file holds, not what it
-    claims."""
+    claims. `path`: a local path, or an object-store location (`UPath`), read by ranges."""
+    path = path if hasattr(path, "open") else Path(path)
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             size = f.seek(0, 2)
             f.seek(max(size - 8, 0))
             tail = f.read(8)
@@ -68,7 +69,7 @@ def open_file(path: Path) -> pq.ParquetFile:
         if footer > min(MAX_FOOTER, size - 12):
             raise TraceError(f"{path}: its footer declares {footer} bytes of metadata "
                              f"({'more than the file holds' if footer > size - 12 else 'over the 16 MiB a trace may hold'})")
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        pf = pq.ParquetFile(path if isinstance(path, Path) else path.open("rb"), page_checksum_verification=True)
         pf.schema_arrow  # noqa: B018 - its names decoded now: a name that is not UTF-8 is no trace's
         return pf
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:

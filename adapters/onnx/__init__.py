@@ -283,4 +283,4 @@ def record_onnx(models, probe, out, *, run=None, config=None, layers=None, op_ty
             for index, reading in enumerate(checkpoint.read(probe_arrays, chunk)):
                 w.record(step, reading, layer_index=index)
         bar.close()
-    return Path(out)
+    return w.path

@@ -1,0 +1,125 @@
+"""Traces in object storage: every writer and reading command takes `s3://` locations and globs as
+it takes local paths, with the same crash safety (parts are separate objects; compaction writes
+the trace whole and removes the parts only after). Each test runs against a local S3 server (moto,
+from the `s3_server` fixture) and against the local filesystem."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import polars as pl
+import pytest
+
+import actrace
+from actrace.analyzer.metrics import metrics
+from actrace.files.location import location
+from actrace.files.validate import validate
+
+from conftest import HUNG
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """A folder for traces: a local one, or a fresh prefix in a bucket of the local S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "runs")
+    request.getfixturevalue("s3_server")
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    if not fs.exists("lab"):
+        fs.mkdir("lab")
+    return f"s3://lab/{uuid.uuid4().hex[:8]}"
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from actrace.files.writer import Writer
+
+    w = Writer(sys.argv[1], run="k", flush_every=1)
+    x = np.zeros((8, 4))
+    x[:, 2:] = 1.0  # units 0 and 1 dead for every input
+    for step in range(3):
+        w.record_activation(step=step, layer="fc", x=x, kind="relu")  # flushed at once: one part each
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no compaction
+""")
+
+
+def test_a_run_killed_mid_way_leaves_every_flushed_part_readable(root, tmp_path):
+    (tmp_path / "killed.py").write_text(KILLED)
+    done = subprocess.run([sys.executable, tmp_path / "killed.py", f"{root}/k.parquet"], timeout=HUNG)
+    assert done.returncode == -9
+    parts = location(f"{root}/k.parquet.parts")
+    assert not location(f"{root}/k.parquet").exists() and len(list(parts.glob("part-*.parquet"))) == 3
+    table = actrace.read_table(f"{root}/*")  # the parts found by a glob, as a trace
+    assert sorted(table["step"].to_pylist()) == [0, 1, 2]
+    dead = metrics(f"{root}/*")["dead_fraction"].to_list()
+    assert dead == [0.5, 0.5, 0.5]
+
+
+MONITORED = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+    from actrace.adapters.torch import Monitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[0].bias[:4] = -100.0  # 4 of 16 units dead for every input
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Monitor(model, torch.randn(32, 8), out=sys.argv[1] if len(sys.argv) > 1 else None, probe_every=2) as mon:
+        for step in range(4):
+            model(torch.randn(16, 8)).square().mean().backward()
+            mon.step(step)
+            opt.step(); opt.zero_grad()
+""")
+
+
+def test_a_monitor_writes_one_compacted_trace_that_every_command_reads(root, tmp_path, cli):
+    """A PyTorch Monitor with `out=` in the store, and `actrace record -o` there: each leaves one
+    compacted trace (its parts removed), valid, whose dead units read as built; `summary`,
+    `validate`, `inspect` and `report` take the store's glob; no credential is printed."""
+    (tmp_path / "train.py").write_text(MONITORED)
+    subprocess.run([sys.executable, tmp_path / "train.py", f"{root}/a.parquet"], check=True, timeout=HUNG)
+    recorded = cli("record", "-o", f"{root}/b.parquet", "--", "python", tmp_path / "train.py")
+    assert recorded.returncode == 0, recorded.stderr
+    assert f"actrace record: trace {root}/b.parquet:" in recorded.stderr
+    for name in ("a", "b"):
+        assert location(f"{root}/{name}.parquet").exists() and not location(f"{root}/{name}.parquet.parts").exists()
+        assert validate(f"{root}/{name}.parquet") == []
+    rows = metrics(f"{root}/*.parquet").filter((pl.col("layer") == "1") & (pl.col("stream") == "activation"))
+    assert rows["dead_fraction"].to_list() == [4 / 16] * 6 and rows["run"].unique().sort().to_list() == ["a", "b"]
+    outputs = [recorded]
+    for command in (["summary"], ["validate"], ["inspect"], ["report", "-o", tmp_path / "r.html"]):
+        outputs.append(cli(*command, f"{root}/*.parquet"))
+        assert outputs[-1].returncode == 0, (command, outputs[-1].stderr)
+    assert len(re.findall(r"\n +1 +relu +16 +3 +25%", outputs[1].stdout)) == 2  # runs a and b, 4 of 16 dead
+    assert f"{root}/a.parquet: valid" in outputs[2].stdout
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+    assert not any("actrace-test-secret" in o.stdout + o.stderr for o in outputs)
+
+
+def test_a_trace_in_the_store_is_not_replaced_unless_asked(root):
+    from actrace.files.writer import Writer
+
+    for overwrite in (False, True):
+        with Writer(f"{root}/w.parquet", overwrite=overwrite) as w:
+            w.record_activation(step=0, layer="fc", x=np.ones((2, 3)) * (1 + overwrite), kind="relu")
+        with pytest.raises(FileExistsError, match="a trace is already there"):
+            Writer(f"{root}/w.parquet")
+    assert actrace.read_table(f"{root}/w.parquet")["max"].to_pylist() == [2.0]
+
+
+def test_a_missing_bucket_or_an_unknown_protocol_is_said_at_the_start(s3_server):
+    from actrace.files.writer import Writer
+
+    with pytest.raises(FileNotFoundError, match="s3://no-such-bucket/a.parquet: no bucket 'no-such-bucket'"):
+        Writer("s3://no-such-bucket/a.parquet")
+    with pytest.raises(ValueError, match="nosuch://x/a.parquet"):
+        Writer("nosuch://x/a.parquet")
