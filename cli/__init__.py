@@ -23,6 +23,9 @@ EXAMPLES = """examples:
   actrace sweep runs/width-*.parquet --by width           # µP-style coordinate check; rules along lr, …
   actrace validate runs/*.parquet
   actrace inspect runs/a.parquet --json
+  actrace record -o s3://bucket/runs/a.parquet -- python train.py    # object storage (the cloud extra)
+  actrace record --lake s3://bucket/lake --project vision --run lr3 -- python train.py
+  actrace summary s3://bucket/lake/project=vision                  # a lake's partition, read alone
 """
 
 
@@ -265,6 +268,12 @@ def report_trace(path, before: float | None = None) -> None:
 def cmd_record(args) -> int:
     import subprocess
 
+    if args.lake:
+        if not args.run:
+            raise ValueError("--lake needs --run NAME: a lake holds each run under its name")
+        from actrace.files.lake import lake_path
+
+        args.output = lake_path(args.lake, args.run, args.project)
     config = _config(args.config)
     if args.model:
         if args.command_line:
@@ -323,8 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "writes there. The command's exit code passes through.")
     p.add_argument("model", nargs="*", metavar="MODEL.onnx", help="ONNX model files (checkpoints, globs); "
                    "or, after --, the command to run")
-    p.add_argument("-o", "--output", required=True, metavar="TRACE",
-                   help="trace to write: runs/NAME.parquet, or a URL (s3://bucket/runs/NAME.parquet)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--output", metavar="TRACE",
+                       help="trace to write: runs/NAME.parquet, or a URL (s3://bucket/runs/NAME.parquet)")
+    where.add_argument("--lake", metavar="LAKE", help="write into the partitioned lake at LAKE (a folder or a URL): "
+                       "LAKE/project=P/run=R/trace.parquet, which DuckDB, Polars and Spark read as one table; needs --run")
+    p.add_argument("--project", default="default", help="the lake's project partition (default: default)")
     p.add_argument("--run", help="run name (default: the trace's file name)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="run metadata (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing trace")

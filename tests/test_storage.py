@@ -4,6 +4,7 @@ the trace whole and removes the parts only after). Each test runs against a loca
 from the `s3_server` fixture) and against the local filesystem."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -123,3 +124,55 @@ def test_a_missing_bucket_or_an_unknown_protocol_is_said_at_the_start(s3_server)
         Writer("s3://no-such-bucket/a.parquet")
     with pytest.raises(ValueError, match="nosuch://x/a.parquet"):
         Writer("nosuch://x/a.parquet")
+
+
+RUN = textwrap.dedent("""
+    import os
+    import numpy as np
+    from actrace.files.writer import Writer, script_options
+
+    dead = int(os.environ["DEAD"])
+    x = np.ones((8, 4))
+    x[:, :dead] = 0.0  # the first DEAD of 4 units dead for every input
+    with Writer(**script_options(None, None, None, None)) as w:  # where `actrace record` says
+        for step in range(2):
+            w.record_activation(step=step, layer="fc", x=x, kind="relu")
+""")
+
+
+def _duckdb(root):
+    """DuckDB, reading object storage through the fsspec filesystem of the store (no extension to fetch)."""
+    import duckdb
+
+    con = duckdb.connect()
+    if root.startswith("s3://"):
+        import s3fs
+
+        con.register_filesystem(s3fs.S3FileSystem())
+    return con
+
+
+def test_a_lake_of_runs_reads_as_one_table_in_every_engine_and_by_partition(root, tmp_path, cli):
+    """`actrace record --lake` writes LAKE/project=P/run=R/trace.parquet (names percent-encoded):
+    DuckDB and Polars read the lake as one table whose partition columns are the runs' own, and
+    `actrace summary` reads the whole lake, or one project's partition alone."""
+    (tmp_path / "run.py").write_text(RUN)
+    runs = {("vision", "lr/1"): 1, ("vision", "lr 2"): 2, ("text", "lr1"): 3}  # (project, run): dead units
+    for (project, run), dead in runs.items():
+        done = subprocess.run([sys.executable, "-m", "actrace.cli", "record", "--lake", f"{root}/lake", "--project",
+                               project, "--run", run, "--", "python", tmp_path / "run.py"], timeout=HUNG,
+                              capture_output=True, text=True, env=dict(os.environ, DEAD=str(dead)))
+        assert done.returncode == 0, done.stderr
+    assert location(f"{root}/lake/project=vision/run=lr%2F1/trace.parquet").exists()
+    table = f"read_parquet('{root}/lake/**/*.parquet', hive_partitioning = true)"
+    got = _duckdb(root).sql(f"select project, run, any_value(run) as own, sum(zero_count) / 8 / 2 as dead "
+                            f"from {table} group by project, run order by run").fetchall()
+    assert got == sorted([(p, r, r, d) for (p, r), d in runs.items()], key=lambda row: row[1])
+    frame = pl.scan_parquet(f"{root}/lake/**/*.parquet", hive_partitioning=True).select("project", "run").unique()
+    assert sorted(frame.collect().rows()) == sorted(runs)
+    whole, vision = (metrics(f"{root}/lake{where}").group_by("run").agg(pl.col("dead_fraction").max())
+                     for where in ("", "/project=vision"))
+    assert dict(whole.rows()) == {r: d / 4 for (_, r), d in runs.items()}
+    assert dict(vision.rows()) == {r: d / 4 for (p, r), d in runs.items() if p == "vision"}
+    shown = cli("summary", f"{root}/lake/project=vision")
+    assert shown.returncode == 0 and "run lr/1" in shown.stdout and "run lr1" not in shown.stdout, shown.stderr

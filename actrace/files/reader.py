@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from actrace.files.lake import traces_in
 from actrace.files.location import glob, has_magic, location, remote
 from actrace.format import metadata
 from actrace.format.metadata import TraceError
@@ -37,9 +38,8 @@ def trace_sources(paths) -> list:
                 continue  # a writer's lock beside its trace (spec §Files), which `runs/*` matches too
             if not m.exists():
                 raise TraceError(f"{m}: no such file or directory")
-            if m.is_dir() and not m.name.endswith(".parts"):
-                inner = sorted(m.glob("*.parquet")) + sorted(m.glob("*.parquet.parts"))
-                sources += [p for p in inner if p not in sources]
+            if m.is_dir() and not m.name.endswith(".parts"):  # a folder of traces, or a lake of partitions
+                sources += [p for p in traces_in(m) if p not in sources]
             elif m not in sources:
                 sources.append(m)
     # a compacted trace wins over the parts left by the same writer mid-compaction

@@ -1,0 +1,42 @@
+"""The partitioned layout of many runs (spec §Files): `LAKE/project=P/run=R/trace.parquet`,
+Hive style, so DuckDB, Polars, Spark and Trino read a lake as one table (the `project` and `run`
+partition columns from the path) and a reader picks partitions by path before it reads a byte.
+"""
+from __future__ import annotations
+
+import os
+from urllib.parse import quote
+
+from actrace.files.location import remote
+
+TRACE = "trace.parquet"
+
+
+def lake_path(lake, run: str, project: str = "default") -> str:
+    """Where run `run` of `project` lives in the lake at `lake` (a folder or a URL); the names
+    percent-encoded as Hive partition values are ("/" as %2F)."""
+    return f"{str(lake).rstrip('/')}/project={quote(project, safe='')}/run={quote(run, safe='')}/{TRACE}"
+
+
+def traces_in(folder) -> list:
+    """The traces in `folder` and in its Hive partitions (`key=value` folders) at any depth: each
+    compacted trace, and the `.parts` folder of each one that is not compacted (yet)."""
+    files = _files(folder)
+    traces = [f for f in files if f.endswith(".parquet") and all("=" in d for d in f.split("/")[:-1])]
+    parts = {f.rsplit("/", 1)[0] for f in files if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts")
+             and all("=" in d for d in f.split("/")[:-2])}
+    return [folder / f for f in sorted(traces)] + [folder / p for p in sorted(parts)]
+
+
+def _files(folder) -> list[str]:
+    """Paths of the files under `folder`, relative to it, descending only into partition and
+    `.parts` folders (in an object store: one listing of the prefix)."""
+    if remote(folder):
+        base = folder.path.rstrip("/") + "/"
+        return [p[len(base):] for p in folder.fs.find(folder.path) if p.startswith(base)]
+    out = []
+    for here, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if "=" in d or d.endswith(".parquet.parts")]
+        rel = os.path.relpath(here, folder)
+        out += [n if rel == "." else f"{rel}/{n}".replace(os.sep, "/") for n in names]
+    return out
