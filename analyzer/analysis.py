@@ -13,6 +13,7 @@ from actrace.files.reader import read_source
 
 from .compare import align
 from .diff import Diff, diff
+from .engines import ENGINES, on_duckdb, on_spark
 from .findings import Finding, Rules, findings, findings_frame
 from .metrics import Thresholds, from_readings, readings, scalars
 from .signals import series, units
@@ -75,10 +76,18 @@ class Analysis:
 
 
 def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,
-            x: str = "step", skip_invalid: bool = False) -> Analysis:
+            x: str = "step", skip_invalid: bool = False, engine: str = "polars", master: str = "local[2]") -> Analysis:
     """Read every trace once and derive what the analyzer commands show; a trace that breaks the spec
-    stops it, naming the file (`skip_invalid`: leaves it out, saying so)."""
+    stops it, naming the file (`skip_invalid`: leaves it out, saying so). `engine` computes the
+    metric table: Polars here, or DuckDB or Spark (at `master`) from the spec's SQL (their files'
+    footers checked, their rows trusted to the engine)."""
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
-    rows, runs = readings(paths, th, skip_invalid)
-    return Analysis(from_readings(rows, th), runs, scalars(rows), (series(rows), units(rows)), rules, mapping, x, th)
+    if engine not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "polars":
+        rows, runs = readings(paths, th, skip_invalid)
+        table = from_readings(rows, th)
+    else:
+        table, rows, runs = on_duckdb(paths, th) if engine == "duckdb" else on_spark(paths, th, master)
+    return Analysis(table, runs, scalars(rows), (series(rows), units(rows)), rules, mapping, x, th)

@@ -157,7 +157,7 @@ def _top_units(absmax: np.ndarray, starts: np.ndarray, nulls: np.ndarray, fewest
         peak = block[np.arange(len(which)), best]
         middle = [(width - 1) // 2, width // 2]
         block.partition(middle, axis=1)  # in place: the block is a copy, or a view of `mag`, ours
-        median = block[:, middle].mean(axis=1)
+        median = block[:, middle].mean(axis=1, dtype=np.float64)  # two float32 near their largest: no overflow
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio[which] = np.where(median > 0, peak / median, np.nan)
         top[which] = best
@@ -246,8 +246,9 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
     p = lf.filter(pl.col("stream").is_in(["param_grad", "param"]))
     n = _finite_n()
     return p.group_by("run", "layer", "stream", "step").agg(
-        pl.col("layer_index").first(), pl.col("kind").first(), pl.col("units").first(),
-        pl.col("mode").first(), pl.col("probe_fingerprint").first(),
+        # the same for every tensor of a layer but `units`, the most of any: what does not hang on row order
+        pl.col("layer_index").max(), pl.col("kind").max(), pl.col("units").max(),
+        pl.col("mode").max(), pl.col("probe_fingerprint").max(),
         (pl.col("sum").sum() / n.sum()).alias("mean"),
         pl.when(n.sum() > 0).then(pl.max_horizontal(pl.col("sumsq").sum() / n.sum()
                                                     - (pl.col("sum").sum() / n.sum()) ** 2, pl.lit(0.0)).sqrt())

@@ -26,6 +26,8 @@ EXAMPLES = """examples:
   actrace record -o s3://bucket/runs/a.parquet -- python train.py    # object storage (the cloud extra)
   actrace record --lake s3://bucket/lake --project vision --run lr3 -- python train.py
   actrace summary s3://bucket/lake/project=vision                  # a lake's partition, read alone
+  actrace summary s3://bucket/lake --engine duckdb                  # the metrics by DuckDB (or spark)
+  actrace sql --dialect spark > metrics.sql                         # the spec's metrics as SQL
 """
 
 
@@ -74,7 +76,7 @@ def analysis(args):
         check(args.output, output_kind(args), trace_sources(args.paths), args.force)
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
-                skip_invalid=args.skip_invalid)
+                skip_invalid=args.skip_invalid, engine=args.engine, master=args.spark_master)
     if a.metrics.is_empty() and not a.findings:  # a run that never read its model may still have findings
         raise ValueError(f"no readings in {' '.join(args.paths)}")
     return a
@@ -190,6 +192,14 @@ def cmd_sweep(args) -> int:
     a = analysis(args)
     s = sweep(a.aligned, a.findings, a.runs, args.by)
     emit(as_text(s) if args.format == "text" else as_json(s), args, f"the sweep over {args.by}")
+    return 0
+
+
+def cmd_sql(args) -> int:
+    from actrace.analyzer.metrics import Thresholds
+    from actrace.analyzer.sql import metrics_sql
+
+    print(metrics_sql(args.dialect, Thresholds(args.dead_eps, args.sat_threshold, args.dormant_tau), args.table))
     return 0
 
 
@@ -375,8 +385,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let -o replace an existing file that is not an actrace output of this kind")
         p.add_argument("--skip-invalid", action="store_true",
                        help="leave out traces that cannot be read or break the spec (each named), instead of stopping")
+        p.add_argument("--engine", choices=["polars", "duckdb", "spark"], default="polars",
+                       help="what computes the metrics: Polars here (default, every row checked against the spec), "
+                            "or DuckDB or Spark from the spec's SQL (`actrace sql`; the files' footers checked)")
+        p.add_argument("--spark-master", default="local[2]", metavar="URL",
+                       help="--engine spark: the cluster (spark://host:7077, yarn, …; default local[2])")
         p.set_defaults(func=func)
         return p
+
+    p = sub.add_parser("sql", help="print the spec's normative metrics as one SQL query (DuckDB or Spark)",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The query computes the metric table of `actrace summary --format csv` from a "
+                       "table of trace rows named `readings` (--table), e.g. in DuckDB: CREATE VIEW readings AS "
+                       "SELECT * FROM read_parquet('runs/*.parquet', union_by_name = true)")
+    p.add_argument("--dialect", choices=["duckdb", "spark"], default="duckdb")
+    p.add_argument("--table", default="readings", help="the table of trace rows (default readings)")
+    p.add_argument("--dead-eps", type=float, default=0.0, metavar="EPS", help="as in summary (default 0)")
+    p.add_argument("--sat-threshold", type=float, default=0.99, metavar="T", help="as in summary (default 0.99)")
+    p.add_argument("--dormant-tau", type=float, default=0.1, metavar="TAU", help="as in summary (default 0.1)")
+    p.set_defaults(func=cmd_sql)
 
     p = analyzer_command("diff", "where and when runs part from a baseline, against its own noise (exit 1 if any)",
                          cmd_diff)

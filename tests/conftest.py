@@ -87,3 +87,12 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """`actrace demo` run once for the session: its output folder and the finished process."""
+    out = tmp_path_factory.mktemp("demo")
+    res = run_cli("demo", "-o", out)
+    assert res.returncode == 0, res.stderr
+    return out, res

@@ -11,12 +11,8 @@ from actrace.files.validate import validate
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from conftest import run_cli
-
-    out = tmp_path_factory.mktemp("demo")
-    res = run_cli("demo", "-o", out)
-    assert res.returncode == 0, res.stderr
+def demo(demo_run):
+    out, res = demo_run
     m = metrics(out / "runs")
     return out, res, m, analyze(out / "runs").findings
 
