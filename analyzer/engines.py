@@ -65,8 +65,8 @@ def on_duckdb(paths, th: Thresholds) -> tuple[pl.DataFrame, pl.DataFrame, list[d
         from actrace.files.location import location
 
         stores = {type(location(f).fs): location(f).fs for f in files if remote(location(f))}
-        for fs in stores.values():
-            con.register_filesystem(fs)
+        for fs in stores.values():  # DuckDB asks for the ranges it reads: no read-ahead blocks on top
+            con.register_filesystem(type(fs)(**fs.storage_options, default_cache_type="none"))
     con.sql(f"CREATE VIEW readings AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
             f"union_by_name = true)")
     return _typed(con.sql(metrics_sql("duckdb", th)).pl()), con.sql(side_sql()).pl(), runs

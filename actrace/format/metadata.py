@@ -59,17 +59,19 @@ def open_file(path: Path) -> pq.ParquetFile:
     claims. `path`: a local path, or an object-store location (`UPath`), read by ranges."""
     path = path if hasattr(path, "open") else Path(path)
     try:
-        with path.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(size - 8, 0))
-            tail = f.read(8)
+        f = path.open("rb")  # an object's handle read on by the Parquet reader: each range fetched once
+        size = f.seek(0, 2)
+        f.seek(max(size - 8, 0))
+        tail = f.read(8)
+        if isinstance(path, Path):
+            f.close()
         footer = int.from_bytes(tail[:4], "little")
         if size < 12 or tail[4:] != b"PAR1":
             raise TraceError(f"{path}: not a readable Parquet file (truncated, or not written as one)")
         if footer > min(MAX_FOOTER, size - 12):
             raise TraceError(f"{path}: its footer declares {footer} bytes of metadata "
                              f"({'more than the file holds' if footer > size - 12 else 'over the 16 MiB a trace may hold'})")
-        pf = pq.ParquetFile(path if isinstance(path, Path) else path.open("rb"), page_checksum_verification=True)
+        pf = pq.ParquetFile(path if isinstance(path, Path) else f, page_checksum_verification=True)
         pf.schema_arrow  # noqa: B018 - its names decoded now: a name that is not UTF-8 is no trace's
         return pf
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
