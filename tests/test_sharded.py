@@ -119,6 +119,23 @@ def _rows(path):
     return {(r["step"], r["stream"], r["layer"], r["param"]): r for r in actrace.read_table(path).to_pylist()}
 
 
+def read_as_one(d, how: str) -> dict:
+    """The rows of `d/HOW.parquet`, once it is checked to be one valid trace holding every reading
+    of `d/one.parquet` (activations, gradients, parameters) and no other, each at the same depth,
+    of the same kind and counts, and its sums, extremes and update norms within float tolerance."""
+    one, other = _rows(d / "one.parquet"), _rows(d / f"{how}.parquet")
+    assert validate(d / f"{how}.parquet") == [] and sorted(other) == sorted(one)
+    assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
+    same_per_unit({k: r for k, r in one.items() if r["unit_max"] is not None}, other)
+    for key, a in one.items():
+        for name in ("layer_index", "kind", "count", "zero_count"):
+            assert other[key][name] == a[name], (key, name)
+        for name in ("sum", "sumsq", "min", "max", "update_norm"):
+            if a[name] is not None:
+                np.testing.assert_allclose(other[key][name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    return other
+
+
 SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6}
 
 
@@ -385,16 +402,7 @@ def test_a_pipeline_of_llama_stages_reads_as_one_process(tmp_path):
     attention's derived readings, gradients, parameters and update norms) and depth equals one
     process's on the same weights and batch; the gate units silenced in stage 1 read silent."""
     printed = launch(tmp_path, PIPELINE_LLAMA, ("pp",))
-    one, pp = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "pp.parquet")
-    assert validate(tmp_path / "pp.parquet") == [] and sorted(pp) == sorted(one)
-    assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
-    same_per_unit({k: r for k, r in one.items() if r["unit_max"] is not None}, pp)
-    for key, a in one.items():
-        for name in ("layer_index", "kind", "count", "zero_count"):
-            assert pp[key][name] == a[name], (key, name)
-        for name in ("sum", "sumsq", "min", "max", "update_norm"):
-            if a[name] is not None:
-                np.testing.assert_allclose(pp[key][name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    pp = read_as_one(tmp_path, "pp")
     gate = np.asarray(pp[(0, "activation", "model.layers.1.mlp.gate_proj", None)]["unit_max"])
     assert np.all(gate[40:] == 0) and np.all(gate[:40] > 0)
     assert printed.count("TOLD []") == 2, printed
@@ -477,16 +485,7 @@ def test_experts_placed_on_ranks_read_as_one_process(tmp_path):
     norms) equals one process's, in its forward order; the expert no token reaches reads 0 tokens
     and is said once, by its rank; the units killed by their bias in another read dead."""
     printed = launch(tmp_path, EXPERTS, ("ep",))
-    one, ep = _rows(tmp_path / "one.parquet"), _rows(tmp_path / "ep.parquet")
-    assert validate(tmp_path / "ep.parquet") == [] and sorted(ep) == sorted(one)
-    assert {s for _, s, _, _ in one} == {"activation", "param_grad", "param"}
-    same_per_unit({k: r for k, r in one.items() if r["unit_max"] is not None}, ep)
-    for key, a in one.items():
-        for name in ("layer_index", "kind", "count", "zero_count"):
-            assert ep[key][name] == a[name], (key, name)
-        for name in ("sum", "sumsq", "min", "max", "update_norm"):
-            if a[name] is not None:
-                np.testing.assert_allclose(ep[key][name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
+    ep = read_as_one(tmp_path, "ep")
     load = ep[(0, "activation", "1.expert_load", None)]["unit_sum"]
     assert load[3] == 0 and min(load[:3]) > 0 and sum(load) == 8 * 2  # 8 probe tokens, top-2
     relu = np.asarray(ep[(0, "activation", "1.experts.2.1", None)]["unit_max"])
