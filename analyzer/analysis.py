@@ -89,5 +89,6 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
         rows, runs = readings(paths, th, skip_invalid)
         table = from_readings(rows, th)
     else:
-        table, rows, runs = on_duckdb(paths, th) if engine == "duckdb" else on_spark(paths, th, master)
+        table, rows, runs = on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else \
+            on_spark(paths, th, master, skip_invalid)
     return Analysis(table, runs, scalars(rows), (series(rows), units(rows)), rules, mapping, x, th)

@@ -6,6 +6,8 @@ derived readings), so findings over a sweep read the engine's table.
 """
 from __future__ import annotations
 
+import warnings
+
 import polars as pl
 
 from actrace.files.location import remote
@@ -18,22 +20,33 @@ from .metrics import EXTRA_COLUMNS, METRIC_COLUMNS, Thresholds
 from .sql import metrics_sql, side_sql
 
 ENGINES = ("polars", "duckdb", "spark")
+# one row per reading key (spec §Validity): where a trace repeats one, the last written stands, as in
+# the Polars analyzer (parts in name order, rows in file order)
+LAST = "row_number() OVER (PARTITION BY run, layer, stream, param, step ORDER BY"
 
 
-def traces(paths) -> tuple[list[str], list[dict], list[str]]:
+def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], list[str]]:
     """The Parquet files of every trace (local paths or URLs), each trace's metadata (with its
-    `file`), and the spec columns no file holds (an older minor version's: read as null)."""
+    `file`), and the spec columns no file holds (an older minor version's: read as null). A trace
+    whose footer breaks the spec stops it, naming the file (`skip_invalid`: left out, and said)."""
     files, runs, present = [], [], set()
     for source in trace_sources(paths):
-        meta = {}
-        for f in part_files(source):
-            pf = metadata.open_file(f)
-            meta = checked(pf, f)
-            present.update(pf.schema_arrow.names)
-            files.append(str(f))
-        problems = metadata_problems(meta, source)
-        if problems:
-            raise TraceError(str(problems[0]))
+        try:
+            meta, mine = {}, []
+            for f in part_files(source):
+                pf = metadata.open_file(f)
+                meta = checked(pf, f)
+                mine.append((str(f), pf.schema_arrow.names))
+            problems = metadata_problems(meta, source)
+            if problems:
+                raise TraceError(str(problems[0]))
+        except TraceError as exc:
+            if not skip_invalid:
+                raise
+            warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
+            continue
+        files += [f for f, _ in mine]
+        present.update(name for _, names in mine for name in names)
         runs.append(dict(meta, file=str(source)))
     if not files:
         raise TraceError(f"no traces found in {paths}")
@@ -55,11 +68,11 @@ def _missing(absent: list[str], dialect: str) -> str:
     return "".join(out)
 
 
-def on_duckdb(paths, th: Thresholds) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
+def on_duckdb(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
     """(metric table, side rows, runs) of the traces, computed by DuckDB."""
     duckdb = _engine("duckdb", "duckdb")
 
-    files, runs, absent = traces(paths)
+    files, runs, absent = traces(paths, skip_invalid)
     con = duckdb.connect()
     if any("://" in f for f in files):  # object storage through the store's fsspec filesystem
         from actrace.files.location import location
@@ -67,16 +80,19 @@ def on_duckdb(paths, th: Thresholds) -> tuple[pl.DataFrame, pl.DataFrame, list[d
         stores = {type(location(f).fs): location(f).fs for f in files if remote(location(f))}
         for fs in stores.values():  # DuckDB asks for the ranges it reads: no read-ahead blocks on top
             con.register_filesystem(type(fs)(**fs.storage_options, default_cache_type="none"))
-    con.sql(f"CREATE VIEW readings AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
-            f"union_by_name = true)")
+    con.sql(f"CREATE VIEW raw AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
+            f"union_by_name = true, filename = true, file_row_number = true)")
+    con.sql(f"CREATE VIEW readings AS SELECT * EXCLUDE (filename, file_row_number) FROM raw QUALIFY {LAST} "
+            f"filename DESC, file_row_number DESC) = 1")
     return _typed(con.sql(metrics_sql("duckdb", th)).pl()), con.sql(side_sql()).pl(), runs
 
 
-def on_spark(paths, th: Thresholds, master: str = "local[2]") -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
+def on_spark(paths, th: Thresholds, master: str = "local[2]",
+             skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
     """(metric table, side rows, runs) of the traces, computed by Spark at `master`."""
     SparkSession = _engine("pyspark.sql", "spark").SparkSession
 
-    files, runs, absent = traces(paths)
+    files, runs, absent = traces(paths, skip_invalid)
     try:
         spark = (SparkSession.builder.master(master).appName("actrace").config("spark.ui.enabled", "false")
                  .config("spark.sql.session.timeZone", "UTC").getOrCreate())
@@ -85,7 +101,10 @@ def on_spark(paths, th: Thresholds, master: str = "local[2]") -> tuple[pl.DataFr
                          "needs a Java runtime (Debian: default-jre-headless)") from None
     frame = spark.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
     frame.createOrReplaceTempView("raw")
-    spark.sql(f"SELECT *{_missing(absent, 'spark')} FROM raw").createOrReplaceTempView("readings")
+    spark.sql(f"SELECT *{_missing(absent, 'spark')}, input_file_name() AS _file, monotonically_increasing_id() AS _row "
+              f"FROM raw").createOrReplaceTempView("numbered")
+    spark.sql(f"SELECT * EXCEPT (_file, _row, _last) FROM (SELECT *, {LAST} _file DESC, _row DESC) AS _last "
+              f"FROM numbered) WHERE _last = 1").createOrReplaceTempView("readings")
     to_polars = lambda df: pl.from_arrow(df.toArrow())  # noqa: E731
     return _typed(to_polars(spark.sql(metrics_sql("spark", th)))), to_polars(spark.sql(side_sql())), runs
 

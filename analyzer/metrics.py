@@ -202,11 +202,17 @@ def l2_norm(sumsq: pl.Expr, non_finite: pl.Expr) -> pl.Expr:
     return pl.when(non_finite == 0).then(sumsq.sqrt()).otherwise(float("nan"))
 
 
+def _std(var: pl.Expr) -> pl.Expr:
+    """sqrt of a variance from raw sums, rounding's small negatives read as 0; NaN where the sums
+    overflowed (inf − inf): unknown, not 0."""
+    return pl.when(var.is_nan()).then(var).otherwise(pl.max_horizontal(var, pl.lit(0.0))).sqrt()
+
+
 def moments() -> list[pl.Expr]:
     n = _finite_n()
     mean = pl.when(n > 0).then(pl.col("sum") / n)
     var = pl.when(n > 0).then(pl.col("sumsq") / n - (pl.col("sum") / n) ** 2)
-    return [mean.alias("mean"), pl.when(n > 0).then(pl.max_horizontal(var, pl.lit(0.0)).sqrt()).alias("std")]
+    return [mean.alias("mean"), pl.when(n > 0).then(_std(var)).alias("std")]
 
 
 KURTOSIS_ERROR = 0.05  # the most the float32 rounding of the power sums may move a kurtosis
@@ -250,8 +256,7 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
         pl.col("layer_index").max(), pl.col("kind").max(), pl.col("units").max(),
         pl.col("mode").max(), pl.col("probe_fingerprint").max(),
         (pl.col("sum").sum() / n.sum()).alias("mean"),
-        pl.when(n.sum() > 0).then(pl.max_horizontal(pl.col("sumsq").sum() / n.sum()
-                                                    - (pl.col("sum").sum() / n.sum()) ** 2, pl.lit(0.0)).sqrt())
+        pl.when(n.sum() > 0).then(_std(pl.col("sumsq").sum() / n.sum() - (pl.col("sum").sum() / n.sum()) ** 2))
         .alias("std"),
         pl.col("min").min(), pl.col("max").max(),
         l2_norm(pl.col("sumsq").sum(), (pl.col("nan_count") + pl.col("inf_count")).sum()).alias("norm"),

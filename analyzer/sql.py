@@ -4,7 +4,8 @@ same columns, the same values (NaN where the formula gives NaN, null where it gi
 engine that scales past one machine computes what the Polars analyzer computes.
 
 Both engines order NaN above every number, where the formulas' comparisons are false for NaN: every
-comparison that may meet one is guarded. Spark raises on a division by zero (ANSI): every division
+comparison that may meet one is guarded (and `greatest(NaN, 0)` is NaN, as a variance of
+overflowed sums is to the Polars analyzer). Spark raises on a division by zero (ANSI): every division
 that may meet one is guarded, its IEEE result spelled out.
 """
 from __future__ import annotations
@@ -92,12 +93,16 @@ class Dialect:
         if self.duck:
             return f"(CAST({a} AS DOUBLE) / ({b}))"
         nan, inf = self.num(math.nan), self.num(math.inf)
-        return (f"(CASE WHEN ({b}) = 0 THEN (CASE WHEN ({a}) > 0 THEN {inf} WHEN ({a}) < 0 THEN -{inf} ELSE {nan} "
-                f"END) ELSE CAST({a} AS DOUBLE) / ({b}) END)")
+        return (f"(CASE WHEN ({b}) = 0 THEN (CASE WHEN isnan({a}) OR ({a}) = 0 THEN {nan} WHEN ({a}) > 0 THEN {inf} "
+                f"ELSE -{inf} END) ELSE CAST({a} AS DOUBLE) / ({b}) END)")
 
     def fmax(self, a: str, b: str) -> str:
-        """The larger of a and b, the other where one is NaN (numpy's fmax)."""
+        """The larger of a and b, the other where one is NaN (numpy's fmax, Polars' max_horizontal)."""
         return f"(CASE WHEN isnan({a}) THEN {b} WHEN isnan({b}) THEN {a} ELSE greatest({a}, {b}) END)"
+
+    def largest(self, x: str) -> str:
+        """The largest of a column's values but NaN, NaN where all are (Polars' max)."""
+        return f"coalesce(max(CASE WHEN isnan({x}) THEN NULL ELSE {x} END), max({x}))"
 
 
 def _real(*xs: str) -> str:
@@ -161,7 +166,7 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
     m4 = f"({s4} - 4 * {mu} * {s3} + 6 * {power(mu, 2)} * {s2} - 3 * {power(mu, 4)})"
     rounding = f"({d.num(2.0 ** -24)} * ({s4} + 4 * abs({mu} * {s3}) + 6 * {power(mu, 2)} * {s2} + 3 * {power(mu, 4)}))"
     kurtosis = (f"CASE WHEN nn > 0 AND {var} > 0 AND {rounding} < {d.num(KURTOSIS_ERROR)} * {power(var, 2)} "
-                f"THEN greatest({m4}, {zero}) / {power(var, 2)} END")
+                f"THEN {d.fmax(m4, zero)} / {power(var, 2)} END")
     rows = f"(SELECT * FROM {table} WHERE kind IS NULL OR kind NOT IN {d.strs(DERIVED_KINDS)})"
     units_of = (f"SELECT *, {rms} AS rms, {mag} AS mag, {d.sort(mag)} AS smag, {pinned} AS pinned, "
                 f"{dead_mask} AS dead_mask, {share} AS share, {n} AS nn "
@@ -181,15 +186,16 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
         f"{kurtosis} AS kurtosis FROM (SELECT *, {reference} AS ref FROM ({units_of}) u) w")
     total = f"CASE WHEN sum(nan_count + inf_count) = 0 THEN sqrt(sum(sumsq)) ELSE {nan} END"
     n_all, mean_all = f"sum({n})", d.div("sum(sum)", f"sum({n})")
+    var_all = f"({d.div('sum(sumsq)', n_all)} - {power(mean_all, 2)})"
     null = {c: f"CAST(NULL AS {'BIGINT' if c == 'top_unit' else 'DOUBLE'}) AS {c}" for c in (
         "dead_fraction", "dormant_fraction", "sparsity", "saturation_value", "saturation_unit", "top_unit",
         "top_ratio", "kurtosis")}
     parameter = (
         f"SELECT run, layer, max(layer_index) AS layer_index, max(kind) AS kind, stream, step, max(units) AS units, "
         f"max(mode) AS mode, max(probe_fingerprint) AS probe_fingerprint, {', '.join(null[c] for c in null)}, "
-        f"{mean_all} AS mean, CASE WHEN {n_all} > 0 THEN sqrt(greatest({d.div('sum(sumsq)', n_all)} - {power(mean_all, 2)}, "
-        f"{zero})) END AS std, min(min) AS min, max(max) AS max, {total} AS norm, "
-        f"max({d.fmax('abs(min)', 'abs(max)')}) AS max_abs, CASE WHEN count(update_norm) > 0 THEN "
+        f"{mean_all} AS mean, CASE WHEN {n_all} > 0 THEN sqrt(greatest({var_all}, {zero})) END AS std, min(min) AS min, "
+        f"{d.largest('max')} AS max, {total} AS norm, "
+        f"{d.largest(d.fmax('abs(min)', 'abs(max)'))} AS max_abs, CASE WHEN count(update_norm) > 0 THEN "
         f"{d.div('sqrt(sum(update_norm * update_norm))', total)} END AS update_ratio, "
         f"CAST(sum(nan_count) AS BIGINT) AS nan_count, CAST(sum(inf_count) AS BIGINT) AS inf_count, "
         f"CAST({n_all} AS BIGINT) AS {values} "

@@ -1,10 +1,12 @@
 """The spec's metrics on three engines: the Polars analyzer, and the SQL of `actrace sql` on DuckDB
-and on Spark (local mode, Debian's Java): every metric of every reading of the demo's traces and
-of the golden ones (every minor version) is the same number on each, NaN for NaN, null for null;
-`summary --engine` says what the Polars analyzer says."""
+and on Spark (local mode, Debian's Java): every metric of every reading of the demo's traces, of
+the golden ones (every minor version) and of edge cases (no finite value, sums that overflow, a
+reading written twice) is the same number on each, NaN for NaN, null for null; `summary --engine`
+says what the Polars analyzer says."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import polars as pl
 import pytest
@@ -29,33 +31,60 @@ def spark():
 
 
 def disagreements(polars: pl.DataFrame, other: pl.DataFrame) -> list[tuple]:
-    """Every (column, key, Polars's value, the other's) that differs: a number by any amount, NaN
-    against anything but NaN, null against anything but null, a row one has and the other lacks."""
+    """Every (column, key, Polars's value, the other's) that differs: a number by more than 1e-12 of
+    itself (the order in which an engine adds a layer's tensors moves the last bit), NaN against
+    anything but NaN, null against anything but null, a row one has and the other lacks."""
     assert polars.columns == other.columns == METRIC_COLUMNS + EXTRA_COLUMNS
     joined = polars.join(other, on=KEY, how="full", suffix="_other", coalesce=True, nulls_equal=True)
     out = []
     for column in (c for c in polars.columns if c not in KEY):
         for row, a, b in zip(joined.select(KEY).rows(), joined[column].to_list(), joined[f"{column}_other"].to_list()):
-            nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
-            if a != b and not nan:
+            close = isinstance(a, float) and isinstance(b, float) and (
+                math.isnan(a) and math.isnan(b) or math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0))
+            if a != b and not close:
                 out.append((column, row, a, b))
     return out
 
 
-SETS = {"demo and golden": None, "1.0": "valid-v1_0.parquet", "1.1": "valid-v1_1.parquet", "1.2": "valid-v1_2.parquet"}
+SETS = {"demo and golden": None, "1.0": "valid-v1_0.parquet", "1.1": "valid-v1_1.parquet", "1.2": "valid-v1_2.parquet",
+        "written twice": "invalid-duplicate_reading.parquet", "edges": "edges"}
+
+
+def edges(path):
+    """A trace of what formulas trip on: a layer whose bias gradient holds no finite value beside a
+    finite weight's, values whose squares overflow, a tanh with a NaN unit, an empty-unit softmax."""
+    import numpy as np
+
+    import actrace
+
+    with actrace.Writer(path, run="edges") as w:
+        w.record_param_grad(0, "fc", "weight", np.array([[1.0, -2.0], [3.0, 0.5]]), kind="linear")
+        w.record_param_grad(0, "fc", "bias", np.array([np.nan, np.nan]), kind="linear")
+        w.record_activation(0, "huge", np.array([[1e160, 2e160], [3e160, 4e160]]), kind="linear")
+        w.record_activation(0, "tanh", np.array([[0.995, np.nan, -0.2] * 4, [0.999, np.nan, 0.1] * 4]), kind="tanh")
+        w.record_activation(0, "attn", np.full((3, 4), 0.25), kind="softmax")
+        w.record_activation(0, "relu", np.zeros((2, 9)), kind="relu")
+    return path
 
 
 @pytest.mark.parametrize("which", SETS)
 @pytest.mark.parametrize("th", [Thresholds(), Thresholds(dead_eps=0.01, sat_threshold=0.9, dormant_tau=0.3),
                                 Thresholds(sat_threshold=0.95)], ids=["default", "other-levels", "unlisted-level"])
-def test_every_metric_is_the_same_on_polars_duckdb_and_spark(which, th, demo_run, spark):
+def test_every_metric_is_the_same_on_polars_duckdb_and_spark(which, th, demo_run, spark, tmp_path):
     """Thresholds at the defaults, at other levels `sat_counts` counts, and at one it does not (the
     histogram's bins then): 0 disagreements, rows included, over tens of thousands of values."""
     paths = [demo_run[0] / "runs", *(EXAMPLES / f"valid-{n}" for n in ("mlp.parquet", "nonfinite.parquet",
                                                                           "crashed.parquet.parts"))] \
-        if SETS[which] is None else [EXAMPLES / SETS[which]]
-    expected = metrics(paths, th)
-    assert expected.height > (1000 if SETS[which] is None else 5)
+        if SETS[which] is None else [edges(tmp_path / "edges.parquet")] if which == "edges" \
+        else [EXAMPLES / SETS[which]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trace written twice is said to repeat readings
+        expected = metrics(paths, th)
+    assert expected.height > (1000 if SETS[which] is None else 3)
+    if which == "edges":  # the cases are there: a NaN bias beside a finite weight, squares past the largest float
+        rows = {(r["stream"], r["layer"]): r for r in expected.to_dicts()}
+        assert rows[("param_grad", "fc")]["max"] == 3.0 and math.isnan(rows[("param_grad", "fc")]["norm"])
+        assert math.isnan(rows[("activation", "huge")]["std"]) and rows[("activation", "relu")]["dead_fraction"] == 1.0
     for engine in (on_duckdb, on_spark):
         got = engine(paths, th)[0]
         assert disagreements(expected, got) == [], engine.__name__

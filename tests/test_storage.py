@@ -176,3 +176,60 @@ def test_a_lake_of_runs_reads_as_one_table_in_every_engine_and_by_partition(root
     assert dict(vision.rows()) == {r: d / 4 for (p, r), d in runs.items() if p == "vision"}
     shown = cli("summary", f"{root}/lake/project=vision")
     assert shown.returncode == 0 and "run lr/1" in shown.stdout and "run lr1" not in shown.stdout, shown.stderr
+
+
+LOST = textwrap.dedent("""
+    import os, socket, subprocess, sys, time, warnings
+    import numpy as np
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+                      AWS_DEFAULT_REGION="us-east-1")
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    import s3fs
+    from actrace.files.writer import Writer
+
+    s3fs.S3FileSystem().mkdir("gone")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        w = Writer("s3://gone/a.parquet", flush_every=1)
+        w.record_activation(step=0, layer="fc", x=np.ones((2, 3)), kind="relu")  # a part written
+        server.kill(); server.wait()
+        for step in (1, 2):
+            w.record_activation(step=step, layer="fc", x=np.ones((2, 3)), kind="relu")  # the store is gone
+        w.close()
+    print("TRAINING WENT ON", [str(m.message)[:60] for m in said if "actrace" in str(m.message)])
+""")
+
+
+def test_a_store_that_goes_away_mid_run_does_not_take_training_down(tmp_path):
+    """The S3 server dies after the first part: the next flushes fail with the client's connection
+    error (no OSError), said once and kept in memory; the close says it cannot compact; the
+    training loop goes on and ends cleanly."""
+    (tmp_path / "lost.py").write_text(LOST)
+    done = subprocess.run([sys.executable, tmp_path / "lost.py"], timeout=HUNG, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.split("TRAINING WENT ON", 1)[1]
+    assert said.count("cannot write a part file") == 1 and said.count("cannot compact the trace") == 1, said
+
+
+def test_a_lake_trace_is_named_by_its_run_folder_and_outputs_stay_local(tmp_path, cli):
+    """A script writing to `lake_path(lake, "lr/1")` without run= records run "lr/1" (not "trace");
+    an analyzer's -o to a URL is refused before any work, naming it."""
+    from actrace.files.writer import Writer
+
+    with Writer(actrace.lake_path(tmp_path / "lake", "lr/1", "p")) as w:
+        w.record_activation(step=0, layer="fc", x=np.ones((2, 3)), kind="relu")
+    assert actrace.read_table(tmp_path / "lake")["run"].to_pylist() == ["lr/1"]
+    refused = cli("summary", tmp_path / "lake", "--format", "json", "-o", "s3://lab/out.json")
+    assert refused.returncode == 2 and "s3://lab/out.json: a command's json output is written to a local file" \
+        in refused.stderr, refused.stderr

@@ -5,17 +5,32 @@ partition columns from the path) and a reader picks partitions by path before it
 from __future__ import annotations
 
 import os
-from urllib.parse import quote
+from urllib.parse import unquote
 
 from actrace.files.location import remote
 
 TRACE = "trace.parquet"
 
 
+# what Hive escapes in a partition value (and control characters); anything else, non-ASCII
+# included, stays as it is, so every engine's partition discovery reads the name back
+_HIVE = set('"#%\'*/:=?\\{[]^') | {chr(c) for c in range(32)} | {"\x7f"}
+
+
+def _escaped(value: str) -> str:
+    return "".join(f"%{ord(c):02X}" if c in _HIVE else c for c in value)
+
+
 def lake_path(lake, run: str, project: str = "default") -> str:
     """Where run `run` of `project` lives in the lake at `lake` (a folder or a URL); the names
-    percent-encoded as Hive partition values are ("/" as %2F)."""
-    return f"{str(lake).rstrip('/')}/project={quote(project, safe='')}/run={quote(run, safe='')}/{TRACE}"
+    escaped as Hive escapes partition values ("/" as %2F)."""
+    return f"{str(lake).rstrip('/')}/project={_escaped(project)}/run={_escaped(run)}/{TRACE}"
+
+
+def lake_run(path) -> str | None:
+    """The run a lake's trace path names (`…/run=R/trace.parquet`), else None."""
+    parent = path.parent.name
+    return unquote(parent.removeprefix("run=")) if path.name == TRACE and parent.startswith("run=") else None
 
 
 def traces_in(folder) -> list:

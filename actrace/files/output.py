@@ -28,6 +28,9 @@ def _same(a: Path, b: Path) -> bool:
 
 def check(path, kind: str, inputs=(), force: bool = False) -> Path:
     """`path` if a command may write its `kind` of output there; else ValueError saying why."""
+    if remote(location(path)):
+        raise ValueError(f"{path}: a command's {kind} output is written to a local file (traces are read from "
+                         "object storage; copy the output there after)")
     path = Path(path)
     if path.is_symlink():
         raise ValueError(f"{path} is a symbolic link: actrace does not write through one (remove it, or write "

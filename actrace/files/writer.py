@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from actrace.format import metadata
 from actrace.reduce import Reading, ReductionError, reduce_array
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
+from actrace.files.lake import lake_run
 from actrace.files.location import location, remote, remove
 from actrace.files.table import readings_to_table
 
@@ -89,11 +90,28 @@ def _close_open_writers() -> None:
             w.close(at_exit=True)
 
 
+_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
+
+
 def _bucket(path) -> None:
-    """Refuse at the start an object-store trace whose bucket (or container) is not there."""
+    """Refuse at the start an object-store trace whose bucket (or container) is surely not there;
+    where the credentials may not look (a write-only role), go on and let the first write say."""
+    if path.protocol not in _BUCKETED:
+        return
     bucket = path.path.split("/")[0]
-    if not bucket or not path.fs.exists(bucket):
+    try:
+        there = bool(bucket) and path.fs.exists(bucket)
+    except Exception:  # not allowed to look: not a proof it is missing
+        return
+    if not there:
         raise FileNotFoundError(f"{path}: no bucket {bucket!r} there (or these credentials cannot see it)")
+
+
+def _read_part(path) -> pa.Table:
+    if isinstance(path, Path):
+        return pq.read_table(path, page_checksum_verification=True)
+    with path.open("rb") as f:
+        return pq.read_table(f, page_checksum_verification=True)
 
 
 def parts_dir(path: Path) -> Path:
@@ -223,7 +241,7 @@ class Writer:
             raise
         self._unwritable = False
         self._names: dict[str, str] = {}
-        self.run = self._safe(run or self.path.name.removesuffix(".parquet"))
+        self.run = self._safe(run or lake_run(self.path) or self.path.name.removesuffix(".parquet"))
         self.mode = mode
         self.probe_fingerprint = probe_fingerprint
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
@@ -410,7 +428,7 @@ class Writer:
         try:
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)),
                           self.parts / f"part-{self._n_parts + 1:06d}.parquet")
-        except OSError as exc:
+        except self._refusals as exc:
             if not self._unwritable:
                 warnings.warn(f"actrace: {self.path}: cannot write a part file ({exc}); the readings stay in "
                               "memory and are written at the next flush", stacklevel=3)
@@ -422,13 +440,19 @@ class Writer:
         self._unwritable = False
         return True
 
+    @property
+    def _refusals(self) -> type | tuple:
+        """What a write that did not happen raises: OSError from a disk; from an object store also
+        its client's own errors (a connection refused is no OSError there)."""
+        return Exception if remote(self.path) else OSError
+
     def _write_whole(self) -> bool:
         """A trace whose readings are all still in memory, written at once (no part file to write
         and read back); False where the disk refuses, leaving the part-file way to try."""
         try:
             write_parquet(readings_to_table(self._rows).replace_schema_metadata(metadata.encode(self.meta)),
                           self.path)
-        except OSError:
+        except self._refusals:
             return False
         self.readings_written += len(self._rows)
         self._rows.clear()
@@ -452,16 +476,21 @@ class Writer:
         self.closed = True
         try:
             parts = sorted(self.parts.glob("part-*.parquet"), key=str)
-            tables = [pq.read_table(p if isinstance(p, Path) else p.open("rb"), page_checksum_verification=True)
-                      for p in parts]
+            if len(parts) != self._n_parts:  # a store's listing that lags its writes: the parts stay
+                raise OSError(f"{len(parts)} of the {self._n_parts} part files written are listed")
+            tables = [_read_part(p) for p in parts]
             table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)), self.path)
-        except OSError as exc:  # the trace stays as its part files, readable, status `running`
+        except self._refusals as exc:  # the trace stays as its part files, readable, status `running`
             lost = "" if flushed else f"; {len(self._rows)} readings could not be written at all"
             warnings.warn(f"actrace: {self.path}: cannot compact the trace ({exc}): it stays as its part files in "
                           f"{self.parts}{lost}", stacklevel=2)
             self._unlock()
             return self.parts
-        remove(self.parts)
+        try:
+            remove(self.parts)
+        except self._refusals as exc:  # the trace is whole: readers take it over the parts left beside it
+            warnings.warn(f"actrace: {self.path}: the trace is written, but its part files in {self.parts} could not "
+                          f"be removed ({exc})", stacklevel=2)
         self._unlock()
         return self.path

@@ -63,14 +63,16 @@ class Monitor(Recorder):
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
         split = _tensor_parallel(self.inner)
+        if split and self.pipeline is not None:  # a stage's slices would join across the other stages too
+            split = "2d"
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
                                     histogram, probe_chunk, self.rank, self.world, patterns(logits), split == "1d",
                                     self.pipeline)
         self.split = split == "2d"  # tensor parallel inside data-parallel shards: probe readings not read
         if self.split and self.rank == 0:
-            warnings.warn("actrace: a tensor-parallel model on a mesh of two dimensions (with FSDP): each rank "
-                          "holds a slice of its layers' units and of the probe, which this version does not read "
-                          "as one; probe readings are skipped, gradient and parameter readings are read whole",
+            warnings.warn("actrace: a tensor-parallel model on a mesh of two dimensions (with FSDP or in pipeline "
+                          "stages): each rank holds a slice of its layers' units, which this version does not read "
+                          "as one there; probe readings are skipped, gradient and parameter readings are read whole",
                           stacklevel=2)
         selective = include or exclude or types
         mode, order = ("eval", []) if self.split else self.forward.trial(
@@ -90,7 +92,7 @@ class Monitor(Recorder):
         self.mode, self._steps_seen, self._previous, self._warned_stale, self._alarmed = mode, 0, {}, False, False
         layers, self.placed = list(self.layers), False  # placed: layers on some ranks only (expert parallel)
         if self.world > 1 and self.pipeline is None and split is None:
-            every = ranks.gather(layers)
+            every = ranks.gather(layers, device=_device(self.inner))
             self.placed = any(e != layers for e in every)
             layers = ranks.merged_order(every) if self.placed else layers
         for name in order + layers:
@@ -153,7 +155,7 @@ class Monitor(Recorder):
         every other rank's experts under expert parallel."""
         if self.pipeline is not None:
             return self.pipeline.gather(readings)
-        return ranks.union(readings, add=False) if self.placed else readings
+        return ranks.union(readings, add=False, device=_device(self.inner)) if self.placed else readings
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before

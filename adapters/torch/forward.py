@@ -159,7 +159,7 @@ class ProbeForward:
         if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
             order, steady_everywhere = self.pipeline.order(order, steady)
         elif self.world > 1 and not self.split:  # experts placed on some ranks: every rank's names
-            orders = ranks.gather(order)
+            orders = ranks.gather(order, device=next((t.device for t in self.model.parameters()), None))
             order = order if all(o == order for o in orders) else ranks.merged_order(orders)
         self._say_unread(order, selection, seen)
         if steady:

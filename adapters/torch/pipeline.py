@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .probe import Probe
-from .ranks import gather
+from .ranks import gather, on_device
 
 
 def is_stage(model) -> bool:
@@ -26,6 +26,7 @@ class Pipeline:
 
     def __init__(self, stage):
         self.index, self.stages, self.group = stage.stage_index, stage.num_stages, stage.group
+        self.device = torch.device(stage.device)
         ranks = stage.stage_index_to_group_rank
         if len(set(ranks.values())) != self.stages:
             raise ValueError(f"actrace: stage {self.index} of {self.stages} shares its rank with another stage "
@@ -42,15 +43,18 @@ class Pipeline:
     def call(self, module, chunk, axes):
         """The stage's module on what the stage before sent (the probe chunk itself at the first
         stage), its output sent on to the next with each tensor's unit axis (`axes`, the trace's)."""
-        if self.previous is not None:
-            got = [None]
-            dist.recv_object_list(got, self.previous, group=self.group)
-            chunk, told = got[0]
-            for t, axis in zip(_tensors(chunk), told):
-                axes.set(t, axis)
-        out = Probe.call(module, chunk)
-        if self.next is not None:
-            dist.send_object_list([(out, [axes.of(t) for t in _tensors(out)])], self.next, group=self.group)
+        with on_device(self.device):  # where an NCCL group wants the objects' bytes
+            if self.previous is not None:
+                got = [None]
+                dist.recv_object_list(got, self.previous, group=self.group)
+                chunk, told = got[0]
+                chunk = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, chunk)
+                for t, axis in zip(_tensors(chunk), told):
+                    axes.set(t, axis)
+            out = Probe.call(module, chunk)
+            if self.next is not None:  # sent from the host: a stage's tensors unpickle where it says
+                sent = pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
+                dist.send_object_list([(sent, [axes.of(t) for t in _tensors(out)])], self.next, group=self.group)
         return out
 
     def order(self, names: list[str], steady: bool) -> tuple[list[str], bool]:
@@ -69,7 +73,7 @@ class Pipeline:
 
     def gather(self, items: list) -> list:
         """Every stage's `items`, in stage order, on every rank."""
-        every = gather((self.index, items), self.group)
+        every = gather((self.index, items), self.group, self.device)
         return [item for _, mine in sorted(every, key=lambda got: got[0]) for item in mine]
 
 

@@ -6,24 +6,35 @@ one read on several merges by the schema's rules (shares of the probe) or is the
 the probe shares all-reduce field by field instead (one collective of numbers, no pickling)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 
 from actrace.reduce import fold
 from actrace.reduce.torch import all_reduce
 
 
-def gather(item, group=None) -> list:
-    """Every rank's `item`, in rank order, on every rank."""
+def on_device(device):
+    """Object collectives go through the current CUDA device under NCCL: the model's, for this."""
+    import torch
+
+    return torch.cuda.device(device) if device is not None and torch.device(device).type == "cuda" \
+        else contextlib.nullcontext()
+
+
+def gather(item, group=None, device=None) -> list:
+    """Every rank's `item`, in rank order, on every rank (`device`: the model's)."""
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, item, group=group)
+    with on_device(device):
+        dist.all_gather_object(every, item, group=group)
     return every
 
 
-def union(readings: list, add: bool, group=None) -> list:
+def union(readings: list, add: bool, group=None, device=None) -> list:
     """Every rank's readings joined by (layer, stream, param): merged where several ranks read the
     same one (`add`: shares of the probe) or the first holder's (a replica's)."""
     joined: dict = {}
-    for mine in gather(readings, group):
+    for mine in gather(readings, group, device):
         if add:
             fold(joined, mine)
         else:
@@ -34,11 +45,11 @@ def union(readings: list, add: bool, group=None) -> list:
 
 def merge_shares(readings: list, device) -> list:
     """Every data-parallel rank's readings of its share of the probe, as one process's."""
-    keys = gather([(r.layer, r.stream, r.param) for r in readings])
+    keys = gather([(r.layer, r.stream, r.param) for r in readings], device=device)
     if all(k == keys[0] for k in keys):
         all_reduce(readings, device)
         return readings
-    return union(readings, add=True)
+    return union(readings, add=True, device=device)
 
 
 def merged_order(orders: list[list[str]]) -> list[str]:
