@@ -99,7 +99,13 @@ def on_spark(paths, th: Thresholds, master: str = "local[2]",
     except Exception as exc:  # no Java, or no cluster at `master`: Spark's own words, first line
         raise ValueError(f"--engine spark at {master}: Spark did not start ({str(exc).strip().splitlines()[0]}); it "
                          "needs a Java runtime (Debian: default-jre-headless)") from None
-    frame = spark.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
+    try:
+        frame = spark.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
+    except Exception as exc:  # an object store without its Hadoop connector on the cluster
+        if not any("://" in f for f in files):
+            raise
+        raise ValueError(f"--engine spark: Spark cannot read {files[0]} ({str(exc).strip().splitlines()[0][:200]}); "
+                         "object storage needs its Hadoop connector on the cluster (s3a: hadoop-aws)") from None
     frame.createOrReplaceTempView("raw")
     spark.sql(f"SELECT *{_missing(absent, 'spark')}, input_file_name() AS _file, monotonically_increasing_id() AS _row "
               f"FROM raw").createOrReplaceTempView("numbered")

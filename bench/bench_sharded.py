@@ -60,6 +60,7 @@ def rank_main(steps: int, width: int, depth: int, out: str) -> None:
         p, r = statistics.median(plain), statistics.median(read)
         print(f"FSDP2, 2 ranks, {depth}x{width} MLP: plain step {p * 1e3:.2f} ms, with gradient readings "
               f"{r * 1e3:.2f} ms: {r / p:.3f}x (goal <= 1.03x)")
+    dist.barrier()  # every rank's last collective done before the group goes
     dist.destroy_process_group()
 
 

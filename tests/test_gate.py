@@ -161,3 +161,31 @@ def test_findings_json_carries_numbers_and_the_python_api_gives_frames(cli, runs
     frame = a.findings_frame
     assert frame.filter(frame["rule"] == "dead_high")["value"].to_list() == [0.75]
     assert a.metrics.height and frame.schema["step"].is_integer()
+
+
+INTERRUPTED = """
+import os, random, signal, threading
+import torch
+from torch import nn
+from actrace.adapters.torch.trace import ForwardTrace
+
+model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(50)])
+threading.Timer(random.uniform(0.05, 0.3), lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    while True:
+        with torch.no_grad(), ForwardTrace(model, lambda o: None, lambda *_: True):
+            model(torch.randn(4, 8))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_inside_a_traced_forward_stays_a_ctrl_c(tmp_path):
+    """Ctrl-C lands mostly while torch runs the trace's handler of some op, which leaves the mode
+    off torch's stack: the trace's exit must not pop it again (that RuntimeError replaced the
+    KeyboardInterrupt in 21 of 25 tries before), so the run ends as interrupted."""
+    (tmp_path / "interrupted.py").write_text(INTERRUPTED)
+    for _ in range(5):
+        done = subprocess.run([sys.executable, tmp_path / "interrupted.py"], capture_output=True, text=True,
+                              timeout=HUNG)
+        assert done.stdout.strip() == "interrupted", done.stderr[-2000:]

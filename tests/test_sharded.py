@@ -71,6 +71,7 @@ SCRIPT = textwrap.dedent("""
     told = [str(w.message) for w in said if "actrace" in str(w.message)]
     assert told == [], told
     if how != "one":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 
@@ -203,6 +204,7 @@ LLAMA = textwrap.dedent("""
     told = sorted({str(w.message) for w in said if "actrace" in str(w.message) and "gradient" not in str(w.message)})
     print("TOLD", told)
     if how == "tp":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 
@@ -274,6 +276,7 @@ SEQUENCE = textwrap.dedent("""
     with Monitor(model, ids, out, grad_every=None) as mon:
         mon.probe_reading(0)
     if how == "sp":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 
@@ -310,6 +313,7 @@ UNEVEN = textwrap.dedent("""
             mon.probe_reading(0)
     assert not [w for w in said if "skipping" in str(w.message)], [str(w.message) for w in said]
     if how == "tp":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 
@@ -392,6 +396,7 @@ PIPELINE_LLAMA = textwrap.dedent("""
                 opt.zero_grad()
     print("TOLD", sorted({str(w.message) for w in said if "actrace" in str(w.message)}))
     if how == "pp":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 
@@ -474,6 +479,7 @@ EXPERTS = textwrap.dedent("""
                 opt.zero_grad()
     print("TOLD", sorted({str(w.message) for w in said if "actrace" in str(w.message)}))
     if how == "ep":
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 

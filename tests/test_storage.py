@@ -233,3 +233,19 @@ def test_a_lake_trace_is_named_by_its_run_folder_and_outputs_stay_local(tmp_path
     refused = cli("summary", tmp_path / "lake", "--format", "json", "-o", "s3://lab/out.json")
     assert refused.returncode == 2 and "s3://lab/out.json: a command's json output is written to a local file" \
         in refused.stderr, refused.stderr
+
+
+def test_spark_without_a_connector_for_the_store_says_so(s3_server, cli, tmp_path):
+    """Spark reads object storage through a Hadoop connector (s3a: hadoop-aws) the cluster must
+    have; without one, `--engine spark` says that, naming the file, instead of a Java trace."""
+    from actrace.files.writer import Writer
+
+    import s3fs
+
+    if not s3fs.S3FileSystem().exists("lab"):
+        s3fs.S3FileSystem().mkdir("lab")
+    with Writer("s3://lab/spark/a.parquet", overwrite=True) as w:
+        w.record_activation(step=0, layer="fc", x=np.ones((2, 3)), kind="relu")
+    said = cli("summary", "s3://lab/spark/*.parquet", "--engine", "spark")
+    assert said.returncode == 2 and "Spark cannot read s3://lab/spark/a.parquet" in said.stderr \
+        and "hadoop-aws" in said.stderr, said.stderr[-2000:]

@@ -277,6 +277,7 @@ DDP_SCRIPT = textwrap.dedent("""
     with Monitor(model, probe, sys.argv[3], probe_chunk=4) as mon:
         mon.probe_reading(0)
     if world > 1:
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
 """)
 

@@ -28,7 +28,7 @@ import torch
 from torch import overrides
 from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from actrace.format.schema import ATTENTION_KINDS, LOGIT_KINDS, PER_UNIT_KINDS, ROUTER_KINDS
 
@@ -155,7 +155,10 @@ class ForwardTrace(TorchFunctionMode):
                 h.remove()
             interfaces.restore(self._registry)
             self._hooks, self.stack, self._registry = [], [], {}
-            super().__exit__(*exc)
+            # a signal's exception (Ctrl-C, SIGTERM) raised while torch ran an op's handler leaves
+            # the mode off the stack already: popping again would replace that exception with its own
+            if exc[0] is None or any(m is self for m in _get_current_function_mode_stack()):
+                super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
