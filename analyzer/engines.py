@@ -10,7 +10,7 @@ import warnings
 
 import polars as pl
 
-from actrace.files.location import remote
+from actrace.files.location import location, remote
 from actrace.files.reader import TraceError, checked, part_files, trace_sources
 from actrace.files.validate import metadata_problems
 from actrace.format import metadata
@@ -74,12 +74,9 @@ def on_duckdb(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.Dat
 
     files, runs, absent = traces(paths, skip_invalid)
     con = duckdb.connect()
-    if any("://" in f for f in files):  # object storage through the store's fsspec filesystem
-        from actrace.files.location import location
-
-        stores = {type(location(f).fs): location(f).fs for f in files if remote(location(f))}
-        for fs in stores.values():  # DuckDB asks for the ranges it reads: no read-ahead blocks on top
-            con.register_filesystem(type(fs)(**fs.storage_options, default_cache_type="none"))
+    stores = {type(where.fs): where.fs for where in map(location, files) if remote(where)}
+    for fs in stores.values():  # object storage through its fsspec filesystem; DuckDB asks for the
+        con.register_filesystem(type(fs)(**fs.storage_options, default_cache_type="none"))  # ranges it reads
     con.sql(f"CREATE VIEW raw AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
             f"union_by_name = true, filename = true, file_row_number = true)")
     con.sql(f"CREATE VIEW readings AS SELECT * EXCLUDE (filename, file_row_number) FROM raw QUALIFY {LAST} "

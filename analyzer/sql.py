@@ -168,7 +168,7 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
     kurtosis = (f"CASE WHEN nn > 0 AND {var} > 0 AND {rounding} < {d.num(KURTOSIS_ERROR)} * {power(var, 2)} "
                 f"THEN {d.fmax(m4, zero)} / {power(var, 2)} END")
     rows = f"(SELECT * FROM {table} WHERE kind IS NULL OR kind NOT IN {d.strs(DERIVED_KINDS)})"
-    units_of = (f"SELECT *, {rms} AS rms, {mag} AS mag, {d.sort(mag)} AS smag, {pinned} AS pinned, "
+    units_of = (f"SELECT *, {rms} AS rms, {mag} AS mag, {pinned} AS pinned, "
                 f"{dead_mask} AS dead_mask, {share} AS share, {n} AS nn "
                 f"FROM {rows} WHERE stream IN ('activation', 'activation_grad')")
     values = d.q("values")
@@ -183,16 +183,16 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
         f"{d.fmax('abs(min)', 'abs(max)')} AS max_abs, CAST(NULL AS DOUBLE) AS update_ratio, nan_count, inf_count, "
         f"nn AS {values}, CASE WHEN {ok} THEN CAST({d.argmax('mag')} AS BIGINT) END AS top_unit, "
         f"CASE WHEN {ok} AND {median} > 0 THEN CAST({d.at('mag', d.argmax('mag'))} AS DOUBLE) / {median} END AS top_ratio, "
-        f"{kurtosis} AS kurtosis FROM (SELECT *, {reference} AS ref FROM ({units_of}) u) w")
+        f"{kurtosis} AS kurtosis FROM (SELECT *, {reference} AS ref, {d.sort('mag')} AS smag FROM ({units_of}) u) w")
     total = f"CASE WHEN sum(nan_count + inf_count) = 0 THEN sqrt(sum(sumsq)) ELSE {nan} END"
     n_all, mean_all = f"sum({n})", d.div("sum(sum)", f"sum({n})")
     var_all = f"({d.div('sum(sumsq)', n_all)} - {power(mean_all, 2)})"
-    null = {c: f"CAST(NULL AS {'BIGINT' if c == 'top_unit' else 'DOUBLE'}) AS {c}" for c in (
+    null = ", ".join(f"CAST(NULL AS {'BIGINT' if c == 'top_unit' else 'DOUBLE'}) AS {c}" for c in (
         "dead_fraction", "dormant_fraction", "sparsity", "saturation_value", "saturation_unit", "top_unit",
-        "top_ratio", "kurtosis")}
+        "top_ratio", "kurtosis"))
     parameter = (
         f"SELECT run, layer, max(layer_index) AS layer_index, max(kind) AS kind, stream, step, max(units) AS units, "
-        f"max(mode) AS mode, max(probe_fingerprint) AS probe_fingerprint, {', '.join(null[c] for c in null)}, "
+        f"max(mode) AS mode, max(probe_fingerprint) AS probe_fingerprint, {null}, "
         f"{mean_all} AS mean, CASE WHEN {n_all} > 0 THEN sqrt(greatest({var_all}, {zero})) END AS std, min(min) AS min, "
         f"{d.largest('max')} AS max, {total} AS norm, "
         f"{d.largest(d.fmax('abs(min)', 'abs(max)'))} AS max_abs, CASE WHEN count(update_norm) > 0 THEN "

@@ -51,12 +51,9 @@ def rendered(html: Path, chart: str):
             browser.close()
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A local S3 server (moto's server mode on 127.0.0.1, a free port) for the session, and the
-    standard environment that points S3 clients at it (every child process inherits it); stopped,
-    and the environment restored, after the tests that asked for it."""
-    import os
+def start_s3() -> tuple[subprocess.Popen, dict]:
+    """A local S3 server (moto's server mode on 127.0.0.1, a free port), once it answers, and the
+    standard environment that points S3 clients at it."""
     import socket
     import time
 
@@ -67,17 +64,28 @@ def s3_server():
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "actrace-test-key",
            "AWS_SECRET_ACCESS_KEY": "actrace-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    deadline = time.monotonic() + HUNG
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return server, env
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("the S3 server did not start") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """`start_s3`'s server for the session, its environment in this process's (every child process
+    inherits it); stopped, and the environment restored, after the tests that asked for it."""
+    import os
+
+    server, env = start_s3()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        deadline = time.monotonic() + HUNG
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=5).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "the S3 server did not start"
-                time.sleep(0.2)
         yield env
     finally:
         server.terminate()

@@ -20,7 +20,7 @@ from actrace.analyzer.metrics import metrics
 from actrace.files.location import location
 from actrace.files.validate import validate
 
-from conftest import HUNG
+from conftest import HUNG, start_s3
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -179,22 +179,8 @@ def test_a_lake_of_runs_reads_as_one_table_in_every_engine_and_by_partition(root
 
 
 LOST = textwrap.dedent("""
-    import os, socket, subprocess, sys, time, warnings
+    import os, signal, sys, warnings
     import numpy as np
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
-                      AWS_DEFAULT_REGION="us-east-1")
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            break
-        except OSError:
-            time.sleep(0.2)
     import s3fs
     from actrace.files.writer import Writer
 
@@ -203,7 +189,7 @@ LOST = textwrap.dedent("""
         warnings.simplefilter("always")
         w = Writer("s3://gone/a.parquet", flush_every=1)
         w.record_activation(step=0, layer="fc", x=np.ones((2, 3)), kind="relu")  # a part written
-        server.kill(); server.wait()
+        os.kill(int(sys.argv[1]), signal.SIGKILL)  # the server goes
         for step in (1, 2):
             w.record_activation(step=step, layer="fc", x=np.ones((2, 3)), kind="relu")  # the store is gone
         w.close()
@@ -216,7 +202,13 @@ def test_a_store_that_goes_away_mid_run_does_not_take_training_down(tmp_path):
     error (no OSError), said once and kept in memory; the close says it cannot compact; the
     training loop goes on and ends cleanly."""
     (tmp_path / "lost.py").write_text(LOST)
-    done = subprocess.run([sys.executable, tmp_path / "lost.py"], timeout=HUNG, capture_output=True, text=True)
+    server, env = start_s3()  # a server of its own, which the run kills
+    try:
+        done = subprocess.run([sys.executable, tmp_path / "lost.py", str(server.pid)], timeout=HUNG,
+                              capture_output=True, text=True, env=dict(os.environ, **env))
+    finally:
+        server.kill()
+        server.wait(timeout=HUNG)
     assert done.returncode == 0, done.stderr[-3000:]
     said = done.stdout.split("TRAINING WENT ON", 1)[1]
     assert said.count("cannot write a part file") == 1 and said.count("cannot compact the trace") == 1, said

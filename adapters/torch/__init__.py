@@ -92,9 +92,7 @@ class Monitor(Recorder):
         self.mode, self._steps_seen, self._previous, self._warned_stale, self._alarmed = mode, 0, {}, False, False
         layers, self.placed = list(self.layers), False  # placed: layers on some ranks only (expert parallel)
         if self.world > 1 and self.pipeline is None and split is None:
-            every = ranks.gather(layers, device=_device(self.inner))
-            self.placed = any(e != layers for e in every)
-            layers = ranks.merged_order(every) if self.placed else layers
+            layers, self.placed = ranks.names_everywhere(layers, self.forward.probe.device)
         for name in order + layers:
             self.order(name)
 
@@ -155,7 +153,7 @@ class Monitor(Recorder):
         every other rank's experts under expert parallel."""
         if self.pipeline is not None:
             return self.pipeline.gather(readings)
-        return ranks.union(readings, add=False, device=_device(self.inner)) if self.placed else readings
+        return ranks.union(readings, add=False, device=self.forward.probe.device) if self.placed else readings
 
     def step(self, step: int) -> None:
         """Call once per training step after `backward()` (before `optimizer.step()`, and before

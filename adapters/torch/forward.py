@@ -127,7 +127,7 @@ class ProbeForward:
         elif self.pipeline is not None:
             readings = self.pipeline.gather(readings)
         elif self.world > 1:
-            readings = ranks.merge_shares(readings, next((t.device for t in self.model.parameters()), None))
+            readings = ranks.merge_shares(readings, self.probe.device)
         return readings
 
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
@@ -159,8 +159,7 @@ class ProbeForward:
         if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
             order, steady_everywhere = self.pipeline.order(order, steady)
         elif self.world > 1 and not self.split:  # experts placed on some ranks: every rank's names
-            orders = ranks.gather(order, device=next((t.device for t in self.model.parameters()), None))
-            order = order if all(o == order for o in orders) else ranks.merged_order(orders)
+            order, _ = ranks.names_everywhere(order, self.probe.device)
         self._say_unread(order, selection, seen)
         if steady:
             return "eval" if steady_everywhere else "train", order

@@ -52,6 +52,14 @@ def merge_shares(readings: list, device) -> list:
     return union(readings, add=True, device=device)
 
 
+def names_everywhere(names: list[str], device=None) -> tuple[list[str], bool]:
+    """Every rank's `names` in one forward order, and whether some rank's differ from this one's
+    (experts placed on some ranks); this rank's as they are where every rank's are the same."""
+    every = gather(names, device=device)
+    differ = any(e != names for e in every)
+    return (merged_order(every) if differ else names), differ
+
+
 def merged_order(orders: list[list[str]]) -> list[str]:
     """Names in forward order from every rank's: a name one rank alone reads goes before the next
     name that rank reads which is already placed (rank 1's experts after rank 0's, before the
