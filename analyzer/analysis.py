@@ -15,7 +15,7 @@ from .compare import align
 from .diff import Diff, diff
 from .engines import ENGINES, on_duckdb, on_spark
 from .findings import Finding, Rules, findings, findings_frame
-from .metrics import Thresholds, from_readings, readings, scalars
+from .metrics import Thresholds, reduced, scalars
 from .signals import series, units
 
 
@@ -85,10 +85,6 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "polars":
-        rows, runs = readings(paths, th, skip_invalid)
-        table = from_readings(rows, th)
-    else:
-        table, rows, runs = on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else \
-            on_spark(paths, th, master, skip_invalid)
-    return Analysis(table, runs, scalars(rows), (series(rows), units(rows)), rules, mapping, x, th)
+    table, side, runs = reduced(paths, th, skip_invalid) if engine == "polars" else \
+        on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else on_spark(paths, th, master, skip_invalid)
+    return Analysis(table, runs, scalars(side), (series(side), units(side)), rules, mapping, x, th)

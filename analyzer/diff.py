@@ -21,6 +21,8 @@ import polars as pl
 
 from actrace.format.schema import shown
 
+from .trends import series_bounds
+
 # metric: (stream, scale, floor, what it is): a share compares as it is, a norm or spread by its log10,
 # a mean in units of the baseline's standard deviation
 METRICS = {
@@ -89,12 +91,12 @@ class Diff:
 def _values(df: pl.DataFrame, metric: str) -> pl.DataFrame:
     """run, aligned, layer, layer_index, stream, x, step, v (the metric on its comparison scale), std."""
     stream, scale, _, _ = METRICS[metric]
-    rows = df.filter((pl.col("stream") == stream) & pl.col(metric).is_not_null())
     v = pl.col(metric)
     if scale == "log":
         v = pl.when(v.abs() > 0).then(v.abs().log10())
-    return rows.select("run", "aligned", "layer", "layer_index", "stream", "x", "step", v.alias("v"), "std") \
-        .filter(pl.col("v").is_finite())
+    return df.lazy().filter((pl.col("stream") == stream) & pl.col(metric).is_not_null()).select(  # lazy: the
+        "run", "aligned", "layer", "layer_index", "stream", "x", "step", v.alias("v"), "std"  # columns read alone
+    ).filter(pl.col("v").is_finite()).collect()
 
 
 def noise(series: str, *by: str) -> pl.Expr:
@@ -111,17 +113,25 @@ def _noises(base: pl.DataFrame) -> pl.DataFrame:
         .group_by("run", "aligned").agg(pl.col("noise").first()).group_by("aligned").agg(pl.col("noise").mean())
 
 
+def _lacking(pairs: list[tuple], other: list[tuple]) -> list[str]:
+    """The layer names of `pairs` (aligned key, layer) whose key none of `other` has (a null key
+    matches none, as in a join)."""
+    have = {k for k, _ in other}
+    return sorted({layer for k, layer in pairs if k is None or k not in have})
+
+
 def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persist: int = 3,
          sigmas: float = 4.0, metrics=DEFAULT_METRICS) -> Diff:
     """Where each of `runs` parts from the `baselines` (seeds of one config), from metrics aligned
     by `analyzer.compare.align` (shared `aligned` layer keys, `x` step or progress)."""
     partings, from_start, unaligned = [], [], {}
-    keys = aligned.select("run", "aligned", "layer").unique()
-    base = keys.filter(pl.col("run").is_in(baselines))
+    keys: dict[str, list] = {}
+    for run, key, layer in aligned.select("run", "aligned", "layer").unique().iter_rows():
+        keys.setdefault(run, []).append((key, layer))
+    base = [pair for b in baselines for pair in keys.get(b, [])]
     for run in runs:  # by their own names: the baseline's layers the run lacks, then the run's the baseline lacks
-        own = keys.filter(pl.col("run") == run)
-        unaligned[run] = sorted(set(base.join(own, on="aligned", how="anti")["layer"])) + \
-            sorted(set(own.join(base, on="aligned", how="anti")["layer"]))
+        own = keys.get(run, [])
+        unaligned[run] = _lacking(base, own) + _lacking(own, base)
     units = aligned.filter(pl.col("stream") == "activation").group_by("run", "aligned").agg(
         pl.col("layer").first(), pl.col("units").max())
     both = units.filter(pl.col("run").is_in(runs)).join(
@@ -145,9 +155,7 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
         gaps = (joined["v"] - joined["c"]).to_numpy()
         floors = floor * joined["a_std"].fill_null(0).to_numpy() if scale == "sigma" else np.full(len(gaps), floor)
         spread, noises = 1.5 * joined["spread"].to_numpy(), joined["noise"].to_numpy()
-        group = (joined["run"] + "\x00" + joined["aligned"]).rle_id().to_numpy()
-        bounds = np.flatnonzero(np.diff(group)) + 1
-        for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(gaps)]])):
+        for lo, hi in zip(*series_bounds(joined, "run", "aligned")):
             if hi - lo < 2:
                 continue
             gap = gaps[lo:hi]

@@ -92,7 +92,10 @@ def on_spark(paths, th: Thresholds, master: str = "local[2]",
     files, runs, absent = traces(paths, skip_invalid)
     try:
         spark = (SparkSession.builder.master(master).appName("actrace").config("spark.ui.enabled", "false")
-                 .config("spark.sql.session.timeZone", "UTC").getOrCreate())
+                 .config("spark.sql.session.timeZone", "UTC")
+                 # a reading's row holds per-unit lists (thousands of values): Spark's 4,096 rows a batch
+                 # overran local mode's 1 GiB heap at 100 runs of 512 units
+                 .config("spark.sql.parquet.columnarReaderBatchSize", "256").getOrCreate())
     except Exception as exc:  # no Java, or no cluster at `master`: Spark's own words, first line
         raise ValueError(f"--engine spark at {master}: Spark did not start ({str(exc).strip().splitlines()[0]}); it "
                          "needs a Java runtime (Debian: default-jre-headless)") from None

@@ -21,7 +21,7 @@ from actrace.format.recurrent import describe
 from actrace.format.schema import KIND_BOUNDS, STREAMS, sat_margin
 
 from .metrics import Thresholds
-from .trends import held_since, onset, recent, stable_since, theil_sen
+from .trends import held_since, onset, recent, series_bounds, stable_since, theil_sen
 
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 # Within a step, the forward pass comes first: a NaN starts there and the backward spreads it.
@@ -169,17 +169,23 @@ _READINGS = ("step", "layer_index", "kind", "dead_fraction", "dormant_fraction",
 def _per_layer(m: pl.DataFrame, stream: str):
     """(run, layer, its readings in step order): each a dict of numpy arrays (nulls NaN), sliced from
     arrays made once for every layer, so thousands of layers cost one conversion, not thousands."""
-    acts = m.filter(pl.col("stream") == stream).sort("run", "layer_index", "layer", "step")
-    if not acts.height:
+    mask = m["stream"] == stream
+    keys = m.select("run", "layer", "layer_index", "step").filter(mask)
+    if not keys.height:
         return
-    cols = {c: acts[c].to_numpy() if c == "kind" else acts[c].cast(pl.Float64).fill_null(np.nan).to_numpy()
-            for c in _READINGS}
-    cols["step"] = acts["step"].to_numpy()
-    runs, layers = acts["run"].to_list(), acts["layer"].to_list()
-    group = (acts["run"] + "\x00" + acts["layer"]).rle_id().to_numpy()
-    bounds = np.flatnonzero(np.diff(group)) + 1
-    for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(group)]])):
-        yield runs[lo], layers[lo], {c: v[lo:hi] for c, v in cols.items()}
+    order = keys.select(pl.arg_sort_by("run", "layer_index", "layer", "step")).to_series()
+    ordered = bool((order.diff().drop_nulls() > 0).all())  # the metric table's own order: nothing to move
+    keys = keys if ordered else keys[order]
+
+    def column(c: str) -> np.ndarray:  # one column at a time: a copy of the readings' table never exists
+        v = m[c].filter(mask) if ordered else m[c].filter(mask).gather(order)
+        return v.to_numpy() if c == "kind" else v.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    cols = {c: column(c) for c in _READINGS}
+    cols["step"] = keys["step"].to_numpy()
+    starts, ends = series_bounds(keys, "run", "layer")
+    names = keys[starts].select("run", "layer").rows()  # each layer's names once, not each reading's
+    for (run, layer), lo, hi in zip(names, starts, ends):
+        yield run, layer, {c: v[lo:hi] for c, v in cols.items()}
 
 
 def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, t: float) -> str:
@@ -272,7 +278,9 @@ def _massive(run, layer, g, r: Rules, index: int) -> Finding | None:
 
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
-    names = {run: set(layers) for run, layers in m.group_by("run").agg(pl.col("layer").unique()).iter_rows()}
+    names = {}
+    for run, layer in m.select("run", "layer").unique().iter_rows():
+        names.setdefault(run, set()).add(layer)
     for run, layer, g in _per_layer(m, "activation"):
         what = describe(layer, names[run])
         if what and what[1].startswith("final"):
@@ -552,7 +560,8 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
                             f"{g.height} readings affected", score=g.height, stream=first["stream"],
                             value=first["nan_count"] + first["inf_count"], threshold=0, first=first["step"],
                             last=g["step"].max(), index=first["layer_index"]))
-    acts = m.filter(pl.col("stream") == "activation").sort("run", "step", "layer_index", "layer")
+    acts = m.select("run", "layer", "layer_index", "stream", "step", "probe_fingerprint", "mode").filter(
+        pl.col("stream") == "activation").sort("run", "step", "layer_index", "layer")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
         fps = g.filter(pl.col("probe_fingerprint").is_not_null())
         changed = fps.filter(pl.col("probe_fingerprint") != fps["probe_fingerprint"][0]) if fps.height else fps
@@ -606,7 +615,8 @@ def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = (),
     urgent first."""
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
-    m = m.filter(~skipped)
+    if found:  # else the table as it is: a filter copies every column
+        m = m.filter(~skipped)
     found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
     found += status_findings(list(runs)) + (_signal_findings(*signals, rules) if signals is not None else [])
     # a NaN first: nothing else in a NaN run can be trusted

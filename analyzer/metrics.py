@@ -1,6 +1,6 @@
 """Metrics from traces (spec/trace-v1.md §Metrics): Polars expressions over the raw reductions.
 
-Every threshold is an argument here, never a property of the trace. `readings()` reads each trace
+Every threshold is an argument here, never a property of the trace. `reduced()` reads each trace
 once, only the columns the metrics need (saturation's only where a trace has bounded layers):
 per-unit lists are reduced to counts as each trace is read, so many runs fit in bounded memory.
 """
@@ -77,7 +77,16 @@ def _count_per_row(mask: np.ndarray, starts: np.ndarray, nulls: np.ndarray) -> n
     return counts
 
 
+SLICE = 1024  # rows of per-unit lists reduced at a time: numpy's temporaries stay a few MiB per column
+
+
 def unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
+    """`_unit_counts` of every row, SLICE rows at a time, so that memory does not grow with the trace."""
+    parts = [_unit_counts(table.slice(start, SLICE), th) for start in range(0, max(len(table), 1), SLICE)]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def _unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
     """Per row: units dead at ε (max |h| <= ε), units pinned at threshold t on the kind's
     saturating side(s), the outlier unit and its ratio, and units dormant at τ (spec §Metrics).
 
@@ -125,17 +134,23 @@ def _dormant(table: pa.Table, th: Thresholds, dead: np.ndarray, starts: np.ndarr
     """Per row: units alive but dormant (spec §Metrics): RMS sqrt(unit_sumsq / unit_count) at most τ
     times the mean RMS of the layer's units with a finite value but its largest tenth (an outlier
     feature would make every other unit read dormant); NaN where there are no lists. Rows of one
-    width at a time, as a 2-D array sorted along its units."""
+    width at a time, as a 2-D array partitioned along its units (sorted where a unit reads NaN)."""
     squares = _flat(table["unit_sumsq"])[0]
     counts = _flat(table["unit_count"])[0].astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         rms = np.sqrt(squares / counts)  # NaN for a unit of no finite value
     reference = np.full(len(starts), np.nan)
-    for which, _, units in _by_width(rms, starts, ~nulls):
-        block = np.sort(units, axis=1)
-        valid = (~np.isnan(block)).sum(1)  # NaN sorts last
+    for which, width, units in _by_width(rms, starts, ~nulls):
+        valid = (~np.isnan(units)).sum(1)
         kept = valid - valid // 10
-        total = np.cumsum(np.nan_to_num(block), axis=1)[np.arange(len(which)), np.maximum(kept - 1, 0)]
+        total = np.zeros(len(which))
+        full, k = valid == width, width - width // 10  # no NaN: the k smallest found by a partition
+        if k and full.any():
+            total[full] = np.partition(units[full], k - 1, axis=1)[:, :k].sum(1)
+        if not full.all():  # NaN sorts last
+            block = np.sort(units[~full], axis=1)
+            total[~full] = np.cumsum(np.nan_to_num(block), axis=1)[np.arange(len(block)),
+                                                                    np.maximum(kept[~full] - 1, 0)]
         reference[which] = np.where(kept > 0, total / np.maximum(kept, 1), np.nan)
     with np.errstate(invalid="ignore"):
         dormant = ~np.isnan(rms) & ~dead & (rms <= th.dormant_tau * np.repeat(
@@ -318,32 +333,45 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     return unique, dict(meta, file=str(source))
 
 
-def readings(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, list[dict]]:
-    """Every trace reduced to scalar rows, and each trace's metadata (with its `file`), in the order
-    given; two traces at a time (reading one while reducing the other), so memory holds at most
-    two traces' per-unit lists. A trace that cannot be read or breaks the spec stops the analysis,
-    naming it; with `skip_invalid` it is left out, and said."""
+ORDER = ["run", "stream", "layer_index", "layer", "step"]  # the metric table's, for reading
+SIDE_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "count", "nan_count", "inf_count", "sum",
+                "min", "max", "value", "unit_sum", "unit_count", "unit_min", "unit_max"]
+
+
+def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
+    """(metric table, side rows, runs) of the traces: each trace read, checked and reduced to its
+    metric rows and the few rows findings read beside them (SIDE_COLUMNS of the loop's scalars and
+    the derived readings) as soon as it is read, two at a time (reading one while reducing the other),
+    so memory holds two traces' per-unit lists and the metric table. A trace that cannot be read or
+    breaks the spec stops the analysis, naming it; with `skip_invalid` it is left out, and said."""
     sources = trace_sources(paths)
     if not sources:
         raise TraceError(f"no traces found in {paths}")
 
     def reduce(source):
         try:
-            return _reduce_source(source, th)
+            rows, meta = _reduce_source(source, th)
         except TraceError as exc:
             if not skip_invalid:
                 raise
             warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
             return None
+        side = rows.filter((pl.col("stream") == "scalar") | pl.col("kind").is_in(DERIVED_KINDS)).select(SIDE_COLUMNS)
+        return _metric_rows(rows, th).sort(ORDER), side, meta
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = [d for d in pool.map(reduce, sources) if d is not None]
     if not done:
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
-    return pl.concat([f for f, _ in done], how="diagonal_relaxed"), [meta for _, meta in done]
+    # each trace holds one run (spec §Columns): their sorted rows, in the order of the runs' names, are
+    # the sorted table, joined in one copy; a run in several traces is sorted anew
+    names = [meta["run_name"] for _, _, meta in done]
+    table = pl.concat([m for _, (m, _, _) in sorted(zip(names, done), key=lambda d: d[0])], how="diagonal_relaxed")
+    return (table if len(set(names)) == len(names) else table.sort(ORDER),
+            pl.concat([s for _, s, _ in done], how="diagonal_relaxed"), [meta for _, _, meta in done])
 
 
-def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
-    """Per (run, layer, stream, step) metrics of reduced readings, sorted for reading."""
+def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
+    """Per (run, layer, stream, step) metrics of one trace's reduced readings."""
     lf = rows.lazy().filter(~pl.col("kind").is_in(DERIVED_KINDS))  # signals of their own (analyzer.signals)
     bound_pairs = lf.select("kind", "bound_lo", "bound_hi").drop_nulls().unique().collect().rows()
     act = activation_metrics(lf, th, bound_pairs)
@@ -351,7 +379,7 @@ def from_readings(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
     out = pl.concat([act, par], how="diagonal_relaxed").with_columns(
         pl.when(pl.col("stream").is_in(["param_grad", "activation_grad"])).then(pl.col("norm"))
         .alias("grad_norm"))
-    return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).sort("run", "stream", "layer_index", "layer", "step").collect()
+    return out.select(METRIC_COLUMNS + EXTRA_COLUMNS).collect()
 
 
 def scalars(rows: pl.DataFrame) -> pl.DataFrame:
@@ -366,5 +394,5 @@ def last_reading(df: pl.DataFrame, *keys: str) -> pl.DataFrame:
 
 
 def metrics(paths, th: Thresholds = Thresholds()) -> pl.DataFrame:
-    """Per (run, layer, stream, step) metrics of the given traces."""
-    return from_readings(readings(paths, th)[0], th)
+    """Per (run, layer, stream, step) metrics of the given traces, sorted for reading."""
+    return reduced(paths, th)[0]

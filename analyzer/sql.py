@@ -15,7 +15,7 @@ import math
 from actrace.format.bins import bin_bounds
 from actrace.format.schema import DERIVED_KINDS, SAT_COUNTS, SAT_LEVELS
 
-from .metrics import _TOL, EXTRA_COLUMNS, KURTOSIS_ERROR, METRIC_COLUMNS, UPPER_ONLY, Thresholds
+from .metrics import _TOL, EXTRA_COLUMNS, KURTOSIS_ERROR, METRIC_COLUMNS, SIDE_COLUMNS, UPPER_ONLY, Thresholds
 
 DIALECTS = ("duckdb", "spark")
 
@@ -211,6 +211,5 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
 def side_sql(table: str = "readings") -> str:
     """The rows the metric table leaves out that findings read: the loop's scalars (the loss) and
     the derived readings (attention heads, LM heads, routers: analyzer.signals)."""
-    return (f"SELECT run, layer, layer_index, kind, stream, step, count, nan_count, inf_count, sum, min, max, value, "
-            f"unit_sum, unit_count, unit_min, unit_max FROM {table} WHERE stream = 'scalar' OR kind IN "
+    return (f"SELECT {', '.join(SIDE_COLUMNS)} FROM {table} WHERE stream = 'scalar' OR kind IN "
             f"{Dialect('duckdb').strs(DERIVED_KINDS)}")

@@ -5,6 +5,15 @@ has held to the end. Trend needs more than two points: each helper says nothing 
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
+
+
+def series_bounds(frame: pl.DataFrame, *keys: str) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, row after the last) of each series of `frame`, sorted by `keys`: the runs of
+    consecutive rows that share them, found without a string per row."""
+    group = frame.select(pl.struct(*keys).rle_id()).to_series().to_numpy()
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1]) if len(group) else np.zeros(0, np.int64)
+    return starts, np.append(starts[1:], len(group))
 
 
 def theil_sen(steps: np.ndarray, values: np.ndarray) -> float:

@@ -4,9 +4,12 @@ Times `actrace summary --format json` (a fresh process, as a user runs it) again
 reading the same columns with pyarrow alone, and against the per-layer dead fraction computed
 by DuckDB in one SQL query; peak memory (max RSS) of the summary; growth with 5, 10, 20 runs;
 `actrace report` time and HTML size.
+With --runs N: `actrace summary` (findings, layer table, partings) of N runs and of a tenth of
+them, as a fresh process: seconds, peak memory and the bytes it read (issue goal at 1,000 runs:
+<= 2 minutes and <= 1 GB on 2 cores); with --engine spark the same through Spark local[2].
 With --fleet: `actrace diff` of 2 and of 200 runs, and the 200-run report's size and drawing time;
 with --many-layers: `summary` of one run of 10,000 small layers × 3 readings.
-Run: .venv/bin/python bench/bench_analyzer.py [--out DIR] [--fleet | --many-layers]
+Run: .venv/bin/python bench/bench_analyzer.py [--out DIR] [--runs N [--engine spark]] [--fleet | --many-layers]
 """
 from __future__ import annotations
 
@@ -18,24 +21,35 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import actrace
 from actrace.analyzer.metrics import _READ
 from actrace.files.reader import trace_sources
+from actrace.files.writer import PARQUET_OPTIONS
 
 LAYERS, READINGS, UNITS, BATCH = 32, 100, 512, 64
 
 
+TEMPLATES = 20  # runs recorded by the writer; the rest of a corpus are their copies under new names
+
+
 def make_corpus(out: Path, runs: int) -> None:
+    """`runs` traces in `out`: the first TEMPLATES recorded by the writer, each with its own dead
+    units; every later one a copy of one of them under its own run name and id (seconds each)."""
     rng = np.random.default_rng(0)
     out.mkdir(parents=True, exist_ok=True)
     for r in range(runs):
-        path = out / f"run{r:02d}.parquet"
+        path = out / f"run{r:04d}.parquet"
         if path.exists():
             continue
-        with actrace.Writer(path, run=f"run{r:02d}", flush_every=4096) as w:
+        if r >= TEMPLATES:
+            copy_run(out / f"run{r % TEMPLATES:04d}.parquet", path, f"run{r:04d}")
+            continue
+        with actrace.Writer(path, run=f"run{r:04d}", flush_every=4096) as w:
             for step in range(READINGS):
                 for layer in range(LAYERS):
                     h = rng.normal(size=(BATCH, UNITS)).astype(np.float32)
@@ -43,6 +57,16 @@ def make_corpus(out: Path, runs: int) -> None:
                     w.record_activation(step * 100, f"block{layer:02d}.act", np.maximum(h, 0),
                                         kind="relu")
         print(f"  wrote {path.name}", file=sys.stderr, flush=True)
+
+
+def copy_run(template: Path, path: Path, name: str) -> None:
+    """`template`'s readings as another run: its rows' and metadata's run name, a new run id."""
+    import uuid
+
+    t = pq.read_table(template)
+    t = t.set_column(t.column_names.index("run"), "run", pa.array([name] * len(t), t.schema.field("run").type))
+    meta = {**t.schema.metadata, b"actrace:run_name": name.encode(), b"actrace:run_id": uuid.uuid4().hex.encode()}
+    pq.write_table(t.replace_schema_metadata(meta), path, **PARQUET_OPTIONS)
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -86,6 +110,46 @@ def duckdb_dead_fraction(files: list[Path]) -> float:
         WHERE stream = 'activation'
     """).fetchall()
     return time.perf_counter() - t0
+
+
+MEASURED = """import atexit, resource, runpy, sys
+def said():
+    io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"MEASURED {io['rchar']} {peak}", file=sys.__stderr__)
+atexit.register(said)
+sys.argv = ["actrace", *sys.argv[1:]]
+runpy.run_module("actrace.cli", run_name="__main__")
+"""
+
+
+def measured(args: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and bytes read (every read call's, the page cache's included)
+    of `actrace ARGS` as a fresh process."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", MEASURED, *args], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        sys.exit(f"actrace {' '.join(args[:3])} … failed:\n{done.stderr[-2000:]}")
+    read, peak = done.stderr.rsplit("MEASURED ", 1)[1].split()
+    return wall, int(peak) / 1024, int(read)
+
+
+def at_scale(out: Path, runs: int, engine: str) -> None:
+    """`actrace summary` of `runs` runs and of a tenth of them: the issue's goal at 1,000 runs is
+    <= 2 minutes in <= 1 GB on 2 cores."""
+    print(f"building a corpus of {runs} runs (once; {TEMPLATES} recorded, the rest copied)…", file=sys.stderr)
+    make_corpus(out, runs)
+    print(f"actrace summary --engine {engine}, a fresh process:")
+    print(f"{'runs':>6} {'readings':>10} {'seconds':>8} {'per run ms':>10} {'peak MiB':>9} {'read GiB':>9} "
+          f"{'corpus GiB':>10}")
+    for n in sorted({max(1, runs // 10), runs}):
+        files = [str(out / f"run{r:04d}.parquet") for r in range(n)]
+        size = sum(Path(f).stat().st_size for f in files)
+        wall, peak, read = measured(["summary", "--engine", engine, *files])
+        print(f"{n:>6} {n * LAYERS * READINGS:>10,} {wall:>8.1f} {1000 * wall / n:>10.0f} {peak:>9.0f} "
+              f"{read / 2**30:>9.2f} {size / 2**30:>10.2f}", flush=True)
 
 
 def fleet(out: Path) -> None:
@@ -146,11 +210,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/actrace-bench-corpus"))
     parser.add_argument("--fleet", action="store_true", help="only the 200-run fleet: diff times, report size and draw")
+    parser.add_argument("--runs", type=int, help="only `summary` of this many runs and of a tenth of them")
+    parser.add_argument("--engine", default="polars", choices=["polars", "duckdb", "spark"],
+                        help="with --runs: the engine of the metric table (default polars)")
     parser.add_argument("--many-layers", action="store_true",
                         help="only `summary` of one run of 10,000 layers x 3 readings (goal: <= 5 s)")
     args = parser.parse_args()
     if args.fleet:
         fleet(args.out.with_name(args.out.name + "-fleet"))
+        return
+    if args.runs:
+        at_scale(args.out, args.runs, args.engine)
         return
     if args.many_layers:
         many_layers(args.out.with_name(args.out.name + "-layers") / "many.parquet")
@@ -161,7 +231,7 @@ def main() -> None:
     print("in process (no interpreter start-up):")
     print(f"{'runs':>5} {'metrics+json s':>15} {'pyarrow s':>10} {'ratio':>6} {'duckdb s':>9} {'vs duckdb':>9}")
     for runs in (5, 10, 20):
-        files = [args.out / f"run{r:02d}.parquet" for r in range(runs)]
+        files = [args.out / f"run{r:04d}.parquet" for r in range(runs)]
         floor = min(pyarrow_floor(files) for _ in range(3))
         duck = min(duckdb_dead_fraction(files) for _ in range(3))
         ours = min(in_process(files) for _ in range(3))
@@ -169,12 +239,12 @@ def main() -> None:
     print("as a user runs it (fresh processes, start-up included):")
     print(f"{'runs':>5} {'summary s':>10} {'pyarrow s':>10} {'ratio':>6} {'peak MiB':>9}")
     for runs in (5, 10, 20):
-        files = [str(args.out / f"run{r:02d}.parquet") for r in range(runs)]
+        files = [str(args.out / f"run{r:04d}.parquet") for r in range(runs)]
         floor, _ = timed([sys.executable, "-c", "import sys, pyarrow.parquet as pq\n"
                           f"for f in sys.argv[1:]: pq.read_table(f, columns={_READ!r})", *files])
         wall, peak = timed(actrace_cmd + ["summary", "--format", "json", "-o", "/dev/null", *files])
         print(f"{runs:>5} {wall:>10.2f} {floor:>10.2f} {wall / floor:>6.2f} {peak:>9.0f}")
-    files = [str(args.out / f"run{r:02d}.parquet") for r in range(20)]
+    files = [str(args.out / f"run{r:04d}.parquet") for r in range(20)]
     report = args.out / "report.html"
     wall, peak = timed(actrace_cmd + ["report", *files, "-o", str(report)])
     print(f"report of 20 runs: {wall:.1f} s, {report.stat().st_size / 2**20:.1f} MiB HTML, peak {peak:.0f} MiB")

@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import polars as pl
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 import actrace
@@ -48,6 +50,23 @@ def test_metrics_have_the_documented_columns_and_ground_truth(runs):
     assert act["dead_fraction"].to_list() == [0.75] * 6
     healthy = m.filter((pl.col("stream") == "activation") & (pl.col("layer") == "block0.relu"))
     assert healthy["dead_fraction"].max() == 0 and 0.45 < healthy["sparsity"].mean() < 0.55
+
+
+def test_the_metric_table_is_sorted_whatever_the_order_of_the_traces_and_a_run_in_two_traces_joined(runs, tmp_path):
+    """Each trace reduced on its own, their tables joined: given out of name order, every run's rows
+    are where a sort puts them; a run split over two traces reads as the one trace it was."""
+    from actrace.analyzer.metrics import ORDER
+
+    given = [runs / "stable.parquet", runs / "dying.parquet", runs / "healthy.parquet"]
+    m = metrics(given)
+    assert m["run"].unique(maintain_order=True).to_list() == ["dying", "healthy", "stable"]
+    assert m.equals(m.sort(ORDER)) and m.height == sum(metrics(p).height for p in given)
+    whole = pq.read_table(runs / "healthy.parquet")
+    for half, rows in (("a", whole.filter(pc.less(whole["step"], 300))), ("b", whole.filter(pc.greater_equal(
+            whole["step"], 300)))):
+        pq.write_table(rows, tmp_path / f"healthy-{half}.parquet")
+    split = metrics([tmp_path / "healthy-b.parquet", tmp_path / "healthy-a.parquet"])
+    assert split.equals(metrics(runs / "healthy.parquet")) and split["step"].n_unique() == 6
 
 
 def test_dead_eps_is_chosen_at_analysis_time(tmp_path):
