@@ -361,3 +361,29 @@ def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype):
             for name, col in (("sum", "unit_sum"), ("sumsq", "unit_sumsq"), ("min", "unit_min"), ("max", "unit_max")):
                 assert getattr(r, name) == pytest.approx(float(np.asarray(ref[col]).ravel()[0]), rel=1e-5, abs=1e-9)
             assert r.unit_sum is None and r.hist is None
+
+
+def test_the_trace_s_map_of_tensors_holds_none_alive_and_tells_a_new_tensor_at_a_reused_address_apart():
+    """The axes' map keys tensors by identity without keeping them: a tensor's entry goes with it,
+    and a tensor made later (CPython may give it the same id) is not taken for the one that went."""
+    import gc
+    import weakref
+
+    import torch
+
+    from actrace.adapters.torch.axes import TensorMap
+
+    seen, kept = TensorMap(), torch.ones(2)
+    seen[kept] = 1
+    gone = torch.zeros(3)
+    seen[gone], seen[gone] = 2, 3  # set again: one entry, the last value
+    alive = weakref.ref(gone)
+    assert (seen[kept], seen.get(gone), len(seen._entries)) == (1, 3, 2)
+    del gone
+    gc.collect()
+    assert alive() is None and len(seen._entries) == 1 and kept in seen
+    for _ in range(50):  # new tensors, some at the address the dead one had
+        t = torch.zeros(3)
+        assert t not in seen and seen.get(t, "none") == "none"
+        with pytest.raises(KeyError):
+            seen[t]

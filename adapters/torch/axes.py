@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import math
 import re
+import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 LOST = None  # a tensor whose unit axis could not be followed (distinct from "never seen")
 
@@ -67,6 +67,39 @@ def _pointwise(name: str) -> bool:
         return False
 
 
+class TensorMap:
+    """A map from tensors, by identity, that does not keep them alive: `torch.utils.weak`'s
+    WeakIdKeyDictionary less its Python objects made at every lookup (each op's inputs are looked
+    up here). A tensor's entry goes when the tensor does, before its id can be reused."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def __setitem__(self, t: torch.Tensor, value) -> None:
+        entries, key = self._entries, id(t)
+
+        def forget(ref, key=key):  # the entry, unless it is already another's
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+        entries[key] = (weakref.ref(t, forget), value)
+
+    def get(self, t: torch.Tensor, default=None):
+        entry = self._entries.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else default
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return self.get(t, _ABSENT) is not _ABSENT
+
+    def __getitem__(self, t: torch.Tensor):
+        value = self.get(t, _ABSENT)
+        if value is _ABSENT:
+            raise KeyError(t)
+        return value
+
+
+_ABSENT = object()
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -113,8 +146,8 @@ class Axes:
     held: the maps do not keep activations alive)."""
 
     def __init__(self):
-        self.known = WeakIdKeyDictionary()
-        self.made = WeakIdKeyDictionary()
+        self.known = TensorMap()
+        self.made = TensorMap()
 
     def of(self, t: torch.Tensor) -> int | None:
         return self.known.get(t, LOST)

@@ -16,11 +16,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from actrace.reduce.reading import join_units, merge
 
-from .axes import _pointwise, _tensors
+from .axes import TensorMap, _pointwise, _tensors
 
 UNPLACED = "unplaced"  # computed from a shard by an op that moves values across its units
 _SAME = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as",
@@ -32,7 +31,7 @@ class Shards:
     ("positions", axis) for a shard along another axis, or UNPLACED; a tensor not here is whole."""
 
     def __init__(self):
-        self.tags = WeakIdKeyDictionary()
+        self.tags = TensorMap()
         self.made: dict = {}  # a parallelized module → (unit axis, DTensor output, reading) until made local
 
     def hold(self, module, output, axis, reading) -> None:
