@@ -40,8 +40,11 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
         layers = layers.with_columns(pl.when(shared).then(pl.col("layer"))
                                      .otherwise(pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
     # a layer read under two kinds (an LSTM's output sequence `tanh`, its parameters `other`) keeps each
-    out = m.with_columns(m.select("run", "layer", "kind").join(  # the key column alone: the table's others shared
-        layers.select("run", "layer", "kind", "aligned"), on=["run", "layer", "kind"], how="left",
+    # one key per (run, layer, kind), that of its first depth should a trace give it two; the key
+    # column alone joined, the table's others shared
+    keys = layers.unique(["run", "layer", "kind"], keep="first", maintain_order=True)
+    out = m.with_columns(m.select("run", "layer", "kind").join(
+        keys.select("run", "layer", "kind", "aligned"), on=["run", "layer", "kind"], how="left",
         maintain_order="left")["aligned"])
     if x == "progress":
         span = pl.col("step").max().over("run") - pl.col("step").min().over("run")

@@ -7,6 +7,7 @@ per-unit lists are reduced to counts as each trace is read, so many runs fit in 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -145,8 +146,8 @@ def _dormant(table: pa.Table, th: Thresholds, dead: np.ndarray, starts: np.ndarr
         kept = valid - valid // 10
         total = np.zeros(len(which))
         full, k = valid == width, width - width // 10  # no NaN: the k smallest found by a partition
-        if k and full.any():
-            total[full] = np.partition(units[full], k - 1, axis=1)[:, :k].sum(1)
+        if k and full.any():  # an infinite RMS counts as the largest float, as in the sort's sum
+            total[full] = np.nan_to_num(np.partition(units[full], k - 1, axis=1)[:, :k]).sum(1)
         if not full.all():  # NaN sorts last
             block = np.sort(units[~full], axis=1)
             total[~full] = np.cumsum(np.nan_to_num(block), axis=1)[np.arange(len(block)),
@@ -357,17 +358,25 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataF
             warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
             return None
         side = rows.filter((pl.col("stream") == "scalar") | pl.col("kind").is_in(DERIVED_KINDS)).select(SIDE_COLUMNS)
-        return _metric_rows(rows, th).sort(ORDER), side, meta
+        return source, _metric_rows(rows, th).sort(ORDER), side, meta
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = [d for d in pool.map(reduce, sources) if d is not None]
     if not done:
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
     # each trace holds one run (spec §Columns): their sorted rows, in the order of the runs' names, are
-    # the sorted table, joined in one copy; a run in several traces is sorted anew
-    names = [meta["run_name"] for _, _, meta in done]
-    table = pl.concat([m for _, (m, _, _) in sorted(zip(names, done), key=lambda d: d[0])], how="diagonal_relaxed")
-    return (table if len(set(names)) == len(names) else table.sort(ORDER),
-            pl.concat([s for _, s, _ in done], how="diagonal_relaxed"), [meta for _, _, meta in done])
+    # the sorted table, joined in one copy. A run in several traces (a resumed run, its parameters
+    # in another file) has its traces reduced again together: its layers' tensors are one reading
+    names = Counter(meta["run_name"] for *_, meta in done)
+    tables = [t for _, t, _, meta in sorted(done, key=lambda d: d[3]["run_name"]) if names[meta["run_name"]] == 1]
+    split = [source for source, *_, meta in done if names[meta["run_name"]] > 1]
+    if split:
+        with warnings.catch_warnings():  # what their first reading said stands
+            warnings.simplefilter("ignore")
+            rows = pl.concat([_reduce_source(source, th)[0] for source in split], how="diagonal_relaxed")
+        tables.append(_metric_rows(rows, th))
+    table = pl.concat(tables, how="diagonal_relaxed")
+    return (table.sort(ORDER) if split else table, pl.concat([s for _, _, s, _ in done], how="diagonal_relaxed"),
+            [meta for *_, meta in done])
 
 
 def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:

@@ -12,7 +12,9 @@ def series_bounds(frame: pl.DataFrame, *keys: str) -> tuple[np.ndarray, np.ndarr
     """(first row, row after the last) of each series of `frame`, sorted by `keys`: the runs of
     consecutive rows that share them, found without a string per row."""
     group = frame.select(pl.struct(*keys).rle_id()).to_series().to_numpy()
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1]) if len(group) else np.zeros(0, np.int64)
+    if not len(group):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1])
     return starts, np.append(starts[1:], len(group))
 
 

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -67,6 +68,16 @@ def test_the_metric_table_is_sorted_whatever_the_order_of_the_traces_and_a_run_i
         pq.write_table(rows, tmp_path / f"healthy-{half}.parquet")
     split = metrics([tmp_path / "healthy-b.parquet", tmp_path / "healthy-a.parquet"])
     assert split.equals(metrics(runs / "healthy.parquet")) and split["step"].n_unique() == 6
+    with actrace.Writer(tmp_path / "both.parquet", run="r") as w:  # a layer's weight in one trace, its bias in another
+        for step in (0, 1):
+            w.record_param_grad(step, "fc", "weight", np.full((4, 4), 2.0, np.float32))
+            w.record_param_grad(step, "fc", "bias", np.full(4, 3.0, np.float32))
+    both = pq.read_table(tmp_path / "both.parquet")
+    for param in ("weight", "bias"):
+        pq.write_table(both.filter(pc.equal(both["param"], param)), tmp_path / f"{param}.parquet")
+    grads = metrics([tmp_path / "weight.parquet", tmp_path / "bias.parquet"]).filter(pl.col("stream") == "param_grad")
+    assert grads["grad_norm"].to_list() == pytest.approx([math.sqrt(16 * 4 + 4 * 9)] * 2)  # one norm over both
+    assert grads.equals(metrics(tmp_path / "both.parquet").filter(pl.col("stream") == "param_grad"))
 
 
 def test_dead_eps_is_chosen_at_analysis_time(tmp_path):
@@ -137,6 +148,25 @@ def test_thresholds_are_options(runs):
     m = metrics(runs / "stable.parquet")
     assert any(f.rule == "dead_high" for f in findings(m))
     assert not any(f.rule == "dead_high" for f in findings(m, Rules(max_dead=0.8)))
+
+
+def test_a_layer_read_at_two_depths_aligns_once_per_reading():
+    """A trace may give one layer two depths (a module called twice): each of its readings keeps
+    one aligned key, the table its rows (no reading doubled by the join, none dropped)."""
+    m = pl.DataFrame({"run": ["a", "a", "b"], "layer": ["l", "l", "l"], "layer_index": [0, 1, 0],
+                      "kind": ["relu"] * 3, "stream": ["activation"] * 3, "step": [0, 1, 0]})
+    out = align(m)
+    assert out.select(m.columns).equals(m) and out["aligned"].to_list() == ["l", "l", "l"]
+
+
+def test_an_infinite_unit_rms_is_never_dormant_and_leaves_the_others_as_the_sort_read_them():
+    """Dormancy's reference from a partition (no NaN) reads an infinite RMS as the largest float,
+    as the sort did: the infinite unit is not dormant, the three finite ones are (below τ of it)."""
+    from actrace.analyzer.metrics import _dormant
+
+    table = pa.table({"unit_sumsq": pa.array([[4.0, 1.0, math.inf, 1e-4]]), "unit_count": pa.array([[1, 1, 1, 1]])})
+    dormant = _dormant(table, Thresholds(), np.zeros(4, bool), np.array([0]), np.array([False]))
+    assert dormant.tolist() == [3.0]
 
 
 def test_runs_with_other_layer_names_align_by_order_among_kinds(tmp_path):
