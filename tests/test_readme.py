@@ -13,6 +13,10 @@ from pathlib import Path
 from conftest import HUNG, ROOT
 
 BLOCKS = re.findall(r"```(bash|python)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+# torch 2.13's gloo teardown aborts a rank at interpreter exit, after its work and destroy_process_group,
+# about once in 25-50 loaded runs (tests/test_sharded.py's LEAVE): such a block runs once more, and
+# only on that abort, which its ranks' stderr (kept here: the README sends it to /dev/null) shows
+TEARDOWN = "terminate called without an active exception"
 
 
 def test_the_readme_has_the_two_commands_first():
@@ -27,8 +31,11 @@ def test_every_readme_code_block_runs(tmp_path):
         if code.strip() == "bash scripts/test":
             continue
         cwd = ROOT if code.strip() == "bash scripts/demo" else tmp_path
-        cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+        cmd = ["bash", "-euo", "pipefail", "-c", code.replace(" 2>/dev/null", "")] if lang == "bash" else \
+            [sys.executable, "-c", code]
         res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=HUNG)
+        if res.returncode and TEARDOWN in res.stderr:
+            res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=HUNG)
         assert res.returncode == 0, f"README block failed:\n{code}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr}"
         ran += 1
     assert ran == len(BLOCKS) - 1
