@@ -15,6 +15,7 @@ import pytest
 
 import actrace
 from actrace.analyzer.metrics import metrics
+from actrace.format import metadata
 from actrace.files.validate import validate
 
 from conftest import HUNG
@@ -39,6 +40,16 @@ SCRIPT = textwrap.dedent("""
         fully_shard(model)
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # FSDP averages the ranks' gradients: the batch's
+    if how.startswith("fsdp1"):  # two units: the middle linear, and the rest under the root
+        import functools
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+        dist.init_process_group("gloo")
+        wrap = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is model[2])
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=wrap,
+                                         use_orig_params=how == "fsdp1")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     if how.startswith("tp"):  # every rank the whole batch, each a slice of the linears' units
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
@@ -69,7 +80,10 @@ SCRIPT = textwrap.dedent("""
                 opt.step()
                 opt.zero_grad()
     told = [str(w.message) for w in said if "actrace" in str(w.message)]
-    assert told == [], told
+    if how == "fsdp1-flat" and dist.get_rank() == 0:  # its parameters not read, and the trace says so
+        assert len(told) == 2 and "use_orig_params=False are skipped" in told[0] and "no gradient" in told[1], told
+    else:
+        assert told == [], told
     if how != "one":
         dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
@@ -106,7 +120,7 @@ def launch(d, script: str, hows, ranks: int = 2) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharded")
-    hows = ("fsdp2", "tp", "fsdp2-compile", "tp-compile", "tp-dtensor", "pp")
+    hows = ("fsdp2", "tp", "fsdp2-compile", "tp-compile", "tp-dtensor", "pp", "fsdp1", "fsdp1-flat")
     launch(d, SCRIPT, hows)
     return (d / "one.parquet", *(d / f"{how}.parquet" for how in hows))
 
@@ -143,7 +157,7 @@ def read_as_one(d, how: str) -> dict:
     return other
 
 
-SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6}
+SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6, "fsdp1": 7}
 
 
 @pytest.mark.parametrize("how", SHARDED)
@@ -170,6 +184,16 @@ def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
             for name in ("unit_max", "unit_min", "unit_sum", "unit_sumsq"):
                 np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{key} {name}")
             assert (a["unit_zero"], a["unit_count"]) == (b["unit_zero"], b["unit_count"]), key
+
+
+def test_fsdp1_without_its_original_parameters_reads_the_probe_and_says_what_it_cannot_read(runs):
+    """FSDP1 under use_orig_params=False flattens each unit's parameters into one: the probe still
+    runs through its root (which gathers them) and reads as one process's; the gradients and
+    parameters are not read, which rank 0 said (the script checks) and the trace's status says."""
+    one, flat = _rows(runs[0]), _rows(runs[8])
+    assert validate(runs[8]) == [] and metadata.read(runs[8])["status"].startswith("incomplete")
+    assert sorted(flat) == sorted(k for k in one if k[1] == "activation")
+    same_per_unit({k: one[k] for k in flat}, flat)
 
 
 def test_dead_units_of_a_sharded_model_read_as_one_processs(runs):

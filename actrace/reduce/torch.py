@@ -180,7 +180,7 @@ def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float 
     per-step gradient reading takes them (`metas`: each one's layer, kind, stream, param): the CPU
     float32 ones in one kernel batch, the others by torch kernels and one host transfer. The
     values carry a factor `scale` (a loss scaler's), divided out. A sharded tensor (a DTensor:
-    FSDP2, tensor parallel) is read from its local shard, its sums and extremes then reduced
+    FSDP2, tensor parallel; a `Piece`: FSDP1) is read from its local shard, its sums and extremes then reduced
     across its mesh (never gathered): the whole tensor's reading, on every rank."""
     for t, meta in zip(tensors, metas):
         check_reducible(t.is_floating_point(), t.dtype, tuple(t.shape), meta["layer"])
@@ -219,9 +219,31 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
     return out
 
 
-def _local(t: torch.Tensor, layer: str):
-    """A sharded tensor (DTensor) as (its local shard, its mesh, how many ranks hold each of its
-    values); a plain tensor as (itself, None, 1)."""
+@dataclass(frozen=True)
+class Piece:
+    """This rank's piece of a tensor sharded without DTensor (an FSDP1 flat shard): `local`, flat
+    and possibly empty; the whole tensor's `shape`; the process `groups` whose ranks hold the rest."""
+
+    local: torch.Tensor
+    shape: tuple
+    groups: tuple
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def is_floating_point(self) -> bool:
+        return self.local.is_floating_point()
+
+    def detach(self) -> Piece:
+        return self
+
+
+def _local(t, layer: str):
+    """A sharded tensor (DTensor, or a `Piece`) as (its local shard, the process groups across which
+    its shards lie, how many ranks hold each of its values); a plain tensor as (itself, None, 1)."""
+    if isinstance(t, Piece):
+        return t.local, t.groups, 1
     placements = getattr(t, "placements", None)
     if placements is None or not hasattr(t, "to_local"):
         return t, None, 1
@@ -229,22 +251,22 @@ def _local(t: torch.Tensor, layer: str):
         raise ReductionError(f"layer {layer!r}: a sharded tensor holding partial sums (a Partial placement) "
                              "is not its values until reduced")
     mesh = t.device_mesh
-    return t.to_local(), mesh, math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
+    return (t.to_local(), tuple(mesh.get_group(d) for d in range(mesh.ndim)),
+            math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate()))
 
 
-def _whole(readings: list[Reading], tensors: list[torch.Tensor], shards: list[tuple]) -> list[Reading]:
+def _whole(readings: list[Reading], tensors: list, shards: list[tuple]) -> list[Reading]:
     """The readings of sharded tensors from their local shards' readings: sums added, extremes
-    taken across each mesh (one collective per merge rule and mesh), each value counted once."""
-    meshes: dict[int, list[int]] = {}
-    for i, (_, mesh, _) in enumerate(shards):
-        if mesh is not None:
-            meshes.setdefault(id(mesh), []).append(i)
+    taken across their process groups (one collective per merge rule and group), each value counted once."""
+    meshes: dict[tuple, list[int]] = {}
+    for i, (_, groups, _) in enumerate(shards):
+        if groups is not None:
+            meshes.setdefault(tuple(map(id, groups)), []).append(i)
     for members in meshes.values():
-        mesh = shards[members[0]][1]
         group = [readings[i] for i in members]
         for r in group:  # an extreme of no finite value is NaN, which MIN and MAX would not skip
             r.min, r.max = (math.inf if math.isnan(r.min) else r.min), (-math.inf if math.isnan(r.max) else r.max)
-        all_reduce(group, shards[members[0]][0].device, [mesh.get_group(d) for d in range(mesh.ndim)])
+        all_reduce(group, shards[members[0]][0].device, shards[members[0]][1])
         for i, r in zip(members, group):
             copies, shape = shards[i][2], tuple(tensors[i].shape)
             for name in ("nan_count", "inf_count", "zero_count"):
@@ -256,20 +278,19 @@ def _whole(readings: list[Reading], tensors: list[torch.Tensor], shards: list[tu
 
 
 def update_norms(now: list[torch.Tensor], before: list[torch.Tensor | None]) -> list[float | None]:
-    """‖w − w_before‖ of each parameter (None where there is no before), sharded ones (DTensor)
-    from their local shards, their squares added across the mesh; `before` holds local shards."""
+    """‖w − w_before‖ of each parameter (None where there is no before), sharded ones (DTensor,
+    `Piece`) from their local shards, their squares added across their groups; `before` holds local shards."""
     out: list = [None] * len(now)
-    groups: dict = {}  # mesh (None: not sharded) -> [mesh, [(index, squared distance, copies)]]
+    sets: dict = {}  # process groups (None: not sharded) -> [groups, [(index, squared distance, copies)]]
     for i, (w, prev) in enumerate(zip(now, before)):
         if prev is not None:
-            local, mesh, copies = _local(w.detach(), "?")
+            local, groups, copies = _local(w.detach(), "?")
             sq = torch.linalg.vector_norm(local - prev, dtype=_F64).square()
-            groups.setdefault(id(mesh), [mesh, []])[1].append((i, sq, copies))
-    for mesh, items in groups.values():  # one host transfer per group
+            sets.setdefault(groups and tuple(map(id, groups)), [groups, []])[1].append((i, sq, copies))
+    for groups, items in sets.values():  # one host transfer per set of groups
         flat = torch.stack([sq for _, sq, _ in items])
-        if mesh is not None:
-            for d in range(mesh.ndim):
-                dist.all_reduce(flat, group=mesh.get_group(d))
+        for group in groups or ():
+            dist.all_reduce(flat, group=group)
         for (i, _, copies), v in zip(items, flat.cpu().tolist()):
             out[i] = math.sqrt(v / copies)
     return out

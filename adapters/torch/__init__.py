@@ -27,7 +27,7 @@ from .gradients import Gradients
 from .kinds import module_kind
 from .pipeline import Pipeline, is_stage
 from .probe import Probe
-from .trace import own_parameters, root_name, unwrap
+from .trace import own_parameters, root_name, runner, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -59,7 +59,8 @@ class Monitor(Recorder):
                  overwrite: bool | None = None, flush_every: int = 4096, scaler=None, logits=None):
         self.pipeline = Pipeline(model) if is_stage(model) else None
         self.model = model
-        self.inner = unwrap(model.submod if self.pipeline else model)
+        wrapped = model.submod if self.pipeline else model
+        self.inner = unwrap(wrapped)
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
         split = _tensor_parallel(self.inner)
@@ -67,7 +68,7 @@ class Monitor(Recorder):
             split = "2d"
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
                                     histogram, probe_chunk, self.rank, self.world, patterns(logits), split == "1d",
-                                    self.pipeline)
+                                    self.pipeline, runner(wrapped))
         self.split = split == "2d"  # tensor parallel inside data-parallel shards: probe readings not read
         if self.split and self.rank == 0:
             warnings.warn("actrace: a tensor-parallel model on a mesh of two dimensions (with FSDP or in pipeline "
@@ -83,7 +84,7 @@ class Monitor(Recorder):
                        and self._wanted(name, m)}
         self.grads = Gradients(self.forward, self.layers, scaler, activation_grads,
                                due=lambda: self.grads_due(self._steps_seen))
-        trainable = grad_every and any(p.requires_grad for p in self.inner.parameters())
+        trainable = grad_every and any(p.requires_grad for p in self.forward.runner.parameters())
         super().__init__(out, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
                          probe_fingerprint=self.forward.probe.fingerprint, probe_size=self.forward.probe.size, mode=mode,
                          probe_every=probe_every, grad_every=grad_every, run=run, config=config, include=include,
@@ -139,13 +140,14 @@ class Monitor(Recorder):
     def parameter_reading(self, step: int) -> int:
         """Record every parameter tensor and its update norm ‖w − w_prev‖ since the last parameter reading."""
         params = self.grads.params
-        readings = layer_readings([p.detach() for *_, p in params], [
+        values = [self.grads.flat.value(p) for *_, p in params]
+        readings = layer_readings(values, [
             dict(layer=name, kind=kind, stream="param", param=pname) for name, kind, pname, _ in params])
         keys = [(name, pname) for name, _, pname, _ in params]
-        for r, norm in zip(readings, update_norms([p for *_, p in params], [self._previous.get(k) for k in keys])):
+        for r, norm in zip(readings, update_norms(values, [self._previous.get(k) for k in keys])):
             r.update_norm = norm
-        for k, (*_, p) in zip(keys, params):  # in place: no second copy of the model's weights at once
-            self._previous[k] = keep(p, self._previous.get(k))
+        for k, w in zip(keys, values):  # in place: no second copy of the model's weights at once
+            self._previous[k] = keep(w, self._previous.get(k))
         return self.write(step, self._whole(readings), mode="train")
 
     def _whole(self, readings: list) -> list:

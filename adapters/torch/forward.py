@@ -17,6 +17,7 @@ from actrace.reduce import fold
 from actrace.reduce.torch import Pending, reduce_tensor, relu_of, to_readings
 
 from . import ranks
+from .flat import reshard
 from .probe import Probe
 from .shards import UNPLACED, is_dtensor, join
 from .trace import ForwardTrace, Output, output_tensors
@@ -27,8 +28,10 @@ class ProbeForward:
     (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
 
     def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
-                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False, pipeline=None):
+                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False, pipeline=None,
+                 runner: nn.Module | None = None):
         self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
+        self.runner = runner or model  # what a probe forward calls: `model`, or a wrapper that must run (FSDP1)
         self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
         self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
         self.trace = ForwardTrace(model, self._read, wanted, heads, split)
@@ -88,7 +91,8 @@ class ProbeForward:
 
     @contextmanager
     def evaluation(self):
-        """Eval mode and no_grad for a probe forward; the modules' own modes restored afterwards."""
+        """Eval mode and no_grad for a probe forward; the modules' own modes restored afterwards, and
+        FSDP1's parameters sharded again."""
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
@@ -97,12 +101,14 @@ class ProbeForward:
         finally:
             for m, training in modes:
                 m.training = training
+            if self.runner is not self.model:
+                reshard(self.runner)
 
     def call(self, chunk, trace: ForwardTrace):
         """The model on a probe chunk under `trace`; a pipeline stage's on what the stage before
         handed on, with the unit axes the trace there followed."""
         if self.pipeline is None:
-            return Probe.call(self.model, chunk)
+            return Probe.call(self.runner, chunk)
         return self.pipeline.call(self.model, chunk, trace.axes)
 
     def read(self) -> list:

@@ -13,6 +13,7 @@ from torch import nn
 from actrace.reduce import fold
 from actrace.reduce.torch import layer_readings, reduce_tensor, to_readings
 
+from .flat import FlatShards
 from .forward import ProbeForward
 from .recurrent import param as recurrent_param
 from .trace import ForwardTrace, Output, own_parameters
@@ -26,16 +27,18 @@ class Gradients:
                  due=lambda: True):
         self.forward, self.scaler, self.due = forward, scaler, due
         self.params, self.aliases = _parameters(layers)
+        self.flat = FlatShards(forward.runner)  # FSDP1's pieces, whose unit's flat gradient arrives instead
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
-                         if p.requires_grad]
+                         if p.requires_grad and p not in self.flat.of]
+        self._handles += [flat.register_hook(self._arrived) for flat in self.flat.flats() if flat.requires_grad]
         if activation_grads:
             model = forward.model
             self._trace = ForwardTrace(model, self._hook, forward.wanted)
             self._handles += [model.register_forward_pre_hook(self._start),
                               model.register_forward_hook(self._stop, always_call=True)]
 
-    def _arrived(self, _param) -> None:
+    def _arrived(self, _tensor) -> None:
         self.fresh = True
 
     def scale(self) -> float:
@@ -49,8 +52,8 @@ class Gradients:
 
     def read(self) -> list:
         """Every parameter's gradient (layer-level), then the activation gradients gathered since."""
-        grads = [(p.grad, dict(layer=name, kind=kind, stream="param_grad", param=pname))
-                 for name, kind, pname, p in self.params if p.grad is not None]
+        grads = [(g, dict(layer=name, kind=kind, stream="param_grad", param=pname))
+                 for name, kind, pname, p in self.params if (g := self.flat.grad(p)) is not None]
         readings = layer_readings([g for g, _ in grads], [m for _, m in grads], self.scale()) \
             + list(fold({}, to_readings(self._outputs)).values())
         self._outputs = []

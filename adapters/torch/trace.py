@@ -43,15 +43,26 @@ from .shards import Shards, is_dtensor
 WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The eager module under `torch.compile`, DistributedDataParallel and FSDP wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or (
+def wrappers(model: torch.nn.Module):
+    """The model and each module it wraps in turn (`torch.compile`, DistributedDataParallel, FSDP1),
+    down to the eager module."""
+    while isinstance(model, torch.nn.Module):
+        yield model
+        model = getattr(model, "_orig_mod", None) or (
             getattr(model, "module", None) if type(model).__name__ in (
                 "DistributedDataParallel", "FullyShardedDataParallel", "DataParallel") else None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The eager module under `torch.compile`, DistributedDataParallel and FSDP wrappers."""
+    *_, inner = wrappers(model)
+    return inner
+
+
+def runner(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a probe forward calls: FSDP1's root wrapper where there is one (it gathers the
+    parameters it holds sharded, which the eager module alone finds freed), else the eager module."""
+    return next((m for m in wrappers(model) if type(m).__name__ == "FullyShardedDataParallel"), unwrap(model))
 
 
 def module_path(name: str) -> str:
@@ -451,8 +462,9 @@ def output_heads(model: torch.nn.Module, paths: dict, patterns) -> set:
 
 def own_parameters(module: torch.nn.Module):
     """(name, parameter) of a module's own parameters, those its parametrizations compute a tensor
-    from included (`weight.original0` of a weight-normed conv): what its gradients are read of."""
-    yield from module.named_parameters(recurse=False)
+    from included (`weight.original0` of a weight-normed conv): what its gradients are read of. An
+    FSDP1 unit's FlatParameter (its modules' parameters flattened: `flat.py`) is no layer's own."""
+    yield from ((name, p) for name, p in module.named_parameters(recurse=False) if not getattr(p, "_is_flat_param", False))
     if parametrize.is_parametrized(module):
         for tensor, plist in module.parametrizations.items():
             for name, p in plist.named_parameters():

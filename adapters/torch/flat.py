@@ -1,0 +1,78 @@
+"""FSDP1 (`FullyShardedDataParallel`): a unit flattens its parameters into one FlatParameter and
+each rank holds a slice of it. Under `use_orig_params=True` each original parameter is this rank's
+piece of that slice (flat, empty where the rank holds none of it): read as a `Piece`, reduced
+across the unit's ranks as a DTensor's shards are, never gathered. Without it, the original
+parameters are not parameters at all between forwards: said once, not read."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from actrace.reduce.torch import Piece
+
+SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")  # one process group holds each value once
+
+
+def units(model: nn.Module):
+    """(unit, its FlatParamHandle) of every FSDP1 unit of `model` holding parameters sharded."""
+    for unit in model.modules():
+        handle = getattr(unit, "_handle", None) if type(unit).__name__ == "FullyShardedDataParallel" else None
+        if handle is not None and handle.uses_sharded_strategy:  # not NO_SHARD: each rank holds them whole
+            yield unit, handle
+
+
+def reshard(model: nn.Module) -> None:
+    """Free what a probe forward left gathered: FSDP1 keeps the root's parameters (every unit's under
+    SHARD_GRAD_OP) whole after a forward, for the backward. Read between the backward and the
+    optimizer's step, training's next forward would run on the weights before that step; freed, it
+    gathers them anew, as after a backward."""
+    for _, handle in units(model):
+        handle.reshard(True)
+        handle.post_reshard()
+
+
+class FlatShards:
+    """The original parameters of `model`'s FSDP1 units held in pieces: {parameter: (its unit's
+    FlatParameter, its index there, the unit's process group)}."""
+
+    def __init__(self, model: nn.Module):
+        self.of: dict = {}
+        said = []
+        for unit, handle in units(model):
+            if not handle._use_orig_params or handle._sharding_strategy.name not in SHARDED:
+                said.append(f"{handle._sharding_strategy.name}" if handle._use_orig_params else "use_orig_params=False")
+                continue
+            flat = handle.flat_param
+            for i, p in enumerate(flat._params):
+                self.of[p] = (flat, i, unit.process_group)
+        if said and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            warnings.warn(f"actrace: the gradient and parameter readings of FSDP units under {', '.join(sorted(set(said)))} "
+                          "are skipped: their parameters are flattened pieces this version does not place "
+                          "(use_orig_params=True with FULL_SHARD or SHARD_GRAD_OP reads them)", stacklevel=3)
+
+    def flats(self) -> list:
+        """Each unit's FlatParameter once."""
+        return list({id(flat): flat for flat, _, _ in self.of.values()}.values())
+
+    def grad(self, p: nn.Parameter):
+        """p's gradient as read: a `Piece` of its unit's sharded gradient (on every rank of the unit
+        alike, an empty one where the rank holds none of p), None before any; p's own elsewhere."""
+        if p not in self.of:
+            return p.grad
+        flat, i, group = self.of[p]
+        return None if flat.grad is None else self._piece(flat.grad, flat, i, group)
+
+    def value(self, p: nn.Parameter):
+        """p as read: a `Piece` of its unit's shard, or p itself."""
+        if p not in self.of:
+            return p.detach()
+        flat, i, group = self.of[p]
+        return self._piece(flat.detach(), flat, i, group)
+
+    @staticmethod
+    def _piece(shard: torch.Tensor, flat, i: int, group) -> Piece:
+        info = flat._shard_param_infos[i]
+        local = shard.narrow(0, info.offset_in_shard, info.numel_in_shard) if info.in_shard else shard[:0]
+        return Piece(local, tuple(flat._shapes[i]), (group,))
