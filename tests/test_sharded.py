@@ -35,9 +35,8 @@ SCRIPT = textwrap.dedent("""
     if how.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
         dist.init_process_group("gloo")
-        for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        fully_shard(model)
+        fully_shard(model[0])
+        fully_shard(model)  # the root's own unit: the other linears, kept whole after a forward
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # FSDP averages the ranks' gradients: the batch's
     if how.startswith("fsdp1"):  # two units: the middle linear, and the rest under the root
@@ -50,6 +49,17 @@ SCRIPT = textwrap.dedent("""
                                          use_orig_params=how == "fsdp1")
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    if how.startswith("2d"):  # a 2 x 2 mesh: FSDP2 over two data-parallel pairs, each pair tensor parallel
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model[0], mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        dp = mesh["dp"].get_local_rank()
+        x, y = x.chunk(2)[dp], y.chunk(2)[dp]
     if how.startswith("tp"):  # every rank the whole batch, each a slice of the linears' units
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
@@ -194,6 +204,18 @@ def test_fsdp1_without_its_original_parameters_reads_the_probe_and_says_what_it_
     assert validate(runs[8]) == [] and metadata.read(runs[8])["status"].startswith("incomplete")
     assert sorted(flat) == sorted(k for k in one if k[1] == "activation")
     same_per_unit({k: one[k] for k in flat}, flat)
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh_reads_as_one_process(tmp_path):
+    """Four ranks on a 2 x 2 mesh, FSDP2 over two data-parallel pairs whose ranks split the linears'
+    units: each pair reads its share of the probe, joins its slices in unit order, and the pairs'
+    shares merge; eager and compiled, every reading equals one process's and the units killed by
+    their bias (all on one rank's slice) read 4 of 16 dead."""
+    launch(tmp_path, SCRIPT, ("2d", "2d-compile"), ranks=4)
+    for how in ("2d", "2d-compile"):
+        read_as_one(tmp_path, how)
+        dead = metrics(tmp_path / f"{how}.parquet").filter((pl.col("layer") == "1") & (pl.col("stream") == "activation"))
+        assert dead["dead_fraction"].to_list() == [4 / 16] * 2
 
 
 def test_dead_units_of_a_sharded_model_read_as_one_processs(runs):

@@ -27,6 +27,7 @@ from .gradients import Gradients
 from .kinds import module_kind
 from .pipeline import Pipeline, is_stage
 from .probe import Probe
+from .shards import split_of
 from .trace import own_parameters, root_name, runner, unwrap
 
 __all__ = ["Monitor", "module_kind"]
@@ -63,18 +64,15 @@ class Monitor(Recorder):
         self.inner = unwrap(wrapped)
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
-        split = _tensor_parallel(self.inner)
-        if split and self.pipeline is not None:  # a stage's slices would join across the other stages too
-            split = "2d"
+        split = split_of(self.inner)
+        self.split = split is not None and self.pipeline is not None  # a stage's slices would join across stages
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
-                                    histogram, probe_chunk, self.rank, self.world, patterns(logits), split == "1d",
-                                    self.pipeline, runner(wrapped))
-        self.split = split == "2d"  # tensor parallel inside data-parallel shards: probe readings not read
+                                    histogram, probe_chunk, self.rank, self.world, patterns(logits),
+                                    None if self.split else split, self.pipeline, runner(wrapped))
         if self.split and self.rank == 0:
-            warnings.warn("actrace: a tensor-parallel model on a mesh of two dimensions (with FSDP or in pipeline "
-                          "stages): each rank holds a slice of its layers' units, which this version does not read "
-                          "as one there; probe readings are skipped, gradient and parameter readings are read whole",
-                          stacklevel=2)
+            warnings.warn("actrace: a tensor-parallel model in pipeline stages: each rank holds a slice of its "
+                          "stage's units, which this version does not read as one there; probe readings are "
+                          "skipped, gradient and parameter readings are read whole", stacklevel=2)
         selective = include or exclude or types
         mode, order = ("eval", []) if self.split else self.forward.trial(
             f"include={self.include} exclude={self.exclude} types={types}" if selective else None)
@@ -200,19 +198,3 @@ def _dist() -> tuple[int, int]:
 
 def _device(model: nn.Module) -> torch.device | None:
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
-
-
-def _tensor_parallel(model: nn.Module) -> str | None:
-    """Whether the model's layers are split across ranks that see the same batch: "1d" (tensor
-    parallel: DTensor parameters outside FSDP on one mesh dimension), "2d" (on a mesh of more
-    dimensions, or with FSDP), else None."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
-    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
-    if not sharded or (fsdp and all(p.device_mesh.ndim == 1 for p in sharded)):
-        return None
-    return "2d" if fsdp or any(p.device_mesh.ndim > 1 for p in sharded) else "1d"

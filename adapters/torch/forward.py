@@ -17,9 +17,9 @@ from actrace.reduce import fold
 from actrace.reduce.torch import Pending, reduce_tensor, relu_of, to_readings
 
 from . import ranks
-from .flat import reshard
+from .fsdp import reshard
 from .probe import Probe
-from .shards import UNPLACED, is_dtensor, join
+from .shards import UNPLACED, Split, is_dtensor, join
 from .trace import ForwardTrace, Output, output_tensors
 
 
@@ -28,13 +28,13 @@ class ProbeForward:
     (`wanted(name, module)`), its unit axis as the trace follows it or `unit_axes` says."""
 
     def __init__(self, model: nn.Module, probe: Probe, wanted, unit_axes: dict[str, int], histogram: bool,
-                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: bool = False, pipeline=None,
+                 chunk: int | None, rank: int = 0, world: int = 1, heads=(), split: Split | None = None, pipeline=None,
                  runner: nn.Module | None = None):
         self.model, self.probe, self.wanted, self.unit_axes = model, probe, wanted, unit_axes
         self.runner = runner or model  # what a probe forward calls: `model`, or a wrapper that must run (FSDP1)
         self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
         self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
-        self.trace = ForwardTrace(model, self._read, wanted, heads, split)
+        self.trace = ForwardTrace(model, self._read, wanted, heads, split is not None)
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, Pending, object]] = []  # and the slice of units it holds (`shards`)
 
@@ -92,7 +92,7 @@ class ProbeForward:
     @contextmanager
     def evaluation(self):
         """Eval mode and no_grad for a probe forward; the modules' own modes restored afterwards, and
-        FSDP1's parameters sharded again."""
+        FSDP's parameters sharded again."""
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
@@ -101,8 +101,7 @@ class ProbeForward:
         finally:
             for m, training in modes:
                 m.training = training
-            if self.runner is not self.model:
-                reshard(self.runner)
+            reshard(self.runner)
 
     def call(self, chunk, trace: ForwardTrace):
         """The model on a probe chunk under `trace`; a pipeline stage's on what the stage before
@@ -115,10 +114,10 @@ class ProbeForward:
         """This rank's share of the probe (all of it, tensor and pipeline parallel), chunk by chunk
         (one host transfer each), merged, and across ranks all-reduced (data parallel), joined
         (tensor parallel: each rank's slice of a layer's units) or gathered (each stage's layers)."""
-        merged, held = {}, {}
-        whole = self.split or self.pipeline is not None
+        merged, held, split = {}, {}, self.split
+        share = (split.rank, split.size) if split else (0, 1) if self.pipeline is not None else (self.rank, self.world)
         with self.evaluation():
-            for chunk in self.probe.chunks(*((0, 1) if whole else (self.rank, self.world)), self.chunk):
+            for chunk in self.probe.chunks(*share, self.chunk):
                 self._outputs = []
                 with self.trace:
                     self.call(chunk, self.trace)
@@ -128,8 +127,10 @@ class ProbeForward:
                 fold(merged, to_readings([p for out, p, _ in self._outputs if out.name is not None]))
                 self._outputs = []
         readings = list(merged.values())
-        if self.split:
-            readings = join(readings, held)
+        if split:
+            readings = join(readings, held, split.tp)
+            if split.size > 1:  # FSDP over tensor parallel: each data-parallel group its share
+                readings = ranks.merge_shares(readings, self.probe.device, split.dp)
         elif self.pipeline is not None:
             readings = self.pipeline.gather(readings)
         elif self.world > 1:
@@ -144,7 +145,8 @@ class ProbeForward:
         def note(o: Output) -> None:
             seen.append((o, _signature(o.tensor)))
             o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
-        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads], self.split)
+        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
+                             self.split is not None)
         for _ in range(2):
             seen.clear()
             try:
@@ -164,7 +166,7 @@ class ProbeForward:
         steady = steady_everywhere = differ is None and len(first) == len(second)
         if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
             order, steady_everywhere = self.pipeline.order(order, steady)
-        elif self.world > 1 and not self.split:  # experts placed on some ranks: every rank's names
+        elif self.world > 1 and self.split is None:  # experts placed on some ranks: every rank's names
             order, _ = ranks.names_everywhere(order, self.probe.device)
         self._say_unread(order, selection, seen)
         if steady:

@@ -13,7 +13,7 @@ from torch import nn
 from actrace.reduce import fold
 from actrace.reduce.torch import layer_readings, reduce_tensor, to_readings
 
-from .flat import FlatShards
+from .fsdp import FlatShards
 from .forward import ProbeForward
 from .recurrent import param as recurrent_param
 from .trace import ForwardTrace, Output, own_parameters

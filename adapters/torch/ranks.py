@@ -43,11 +43,12 @@ def union(readings: list, add: bool, group=None, device=None) -> list:
     return list(joined.values())
 
 
-def merge_shares(readings: list, device) -> list:
-    """Every data-parallel rank's readings of its share of the probe, as one process's."""
+def merge_shares(readings: list, device, groups=(None,)) -> list:
+    """Every data-parallel rank's readings of its share of the probe, as one process's; `groups`:
+    the process groups across which the shares differ (default: every rank)."""
     keys = gather([(r.layer, r.stream, r.param) for r in readings], device=device)
     if all(k == keys[0] for k in keys):
-        all_reduce(readings, device)
+        all_reduce(readings, device, groups)
         return readings
     return union(readings, add=True, device=device)
 

@@ -1,6 +1,7 @@
-"""Tensor parallel (`parallelize_module` on a one-dimensional mesh): which slice of a layer's units
-each rank's local tensor holds, so that the ranks' readings join into the whole layer's: per-unit
-columns in global unit order, the rest by the schema's merge rules (spec §Columns).
+"""Tensor parallel (`parallelize_module`, alone or inside FSDP's data-parallel shards on a 2-D mesh):
+which slice of a layer's units each rank's local tensor holds, so that the ranks' readings join into
+the whole layer's: per-unit columns in global unit order, the rest by the schema's merge rules
+(spec §Columns).
 
 A parallelized module's output reaches the trace's hook as a DTensor, before the module's own hook
 makes it local: a shard on the unit axis (column parallel) is this rank's units at their global
@@ -12,7 +13,9 @@ units; anything else computed from one cannot be placed, and is not read.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,39 @@ import torch.distributed as dist
 from actrace.reduce.reading import join_units, merge
 
 from .axes import TensorMap, _pointwise, _tensors
+
+@dataclass(frozen=True)
+class Split:
+    """How a tensor-parallel model's ranks share the probe: the ranks of `tp` (None: every rank) each
+    hold a slice of the same examples' units; across the groups `dp` (FSDP over tensor parallel:
+    a mesh of two dimensions or more) the examples differ, this rank's being share `rank` of `size`."""
+
+    tp: object = None
+    dp: tuple = ()
+    rank: int = 0
+    size: int = 1
+
+
+def split_of(model) -> Split | None:
+    """The model's `Split`, from its DTensor parameters; None where no layer is split across ranks
+    (FSDP alone shards parameters, not units). On a mesh of two dimensions or more, FSDP's and
+    data-parallel dimensions come first and the tensor-parallel one last, as FSDP composes them."""
+    if not dist.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [p for p in model.parameters() if is_dtensor(p)]
+    meshes = [p.device_mesh for p in sharded if p.device_mesh.ndim > 1]
+    if not sharded or (not meshes and any(isinstance(m, FSDPModule) for m in model.modules())):
+        return None
+    if not meshes:
+        return Split()
+    mesh = meshes[0]
+    outer = list(range(mesh.ndim - 1))
+    where, sizes = mesh.get_coordinate(), [mesh.size(d) for d in outer]
+    rank = sum(where[d] * math.prod(sizes[d + 1:]) for d in outer)
+    return Split(mesh.get_group(mesh.ndim - 1), tuple(mesh.get_group(d) for d in outer), rank, math.prod(sizes))
+
 
 UNPLACED = "unplaced"  # computed from a shard by an op that moves values across its units
 _SAME = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as",
@@ -111,12 +147,13 @@ def _slice_of(shape, mesh, placement, axis: int | None):
     return (dim, int(offset[dim]), int(shape[dim]))
 
 
-def join(readings: list, tags: dict) -> list:
+def join(readings: list, tags: dict, group=None) -> list:
     """Every rank's readings of one probe reading (the same names on each; `tags`: this rank's
     slices by reading name) as the whole model's: a unit slice's joined in unit order, a position
-    shard's merged, a replica's taken from rank 0. One collective (the readings are small)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [(r, tags.get(r.layer)) for r in readings])
+    shard's merged, a replica's taken from the first rank. One collective over the ranks of `group`
+    (the tensor-parallel ones; the readings are small)."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [(r, tags.get(r.layer)) for r in readings], group=group)
     by_key = [{(r.layer, r.stream, r.param): (r, tag) for r, tag in rank} for rank in gathered]
     out = []
     for key, (first, tag) in by_key[0].items():

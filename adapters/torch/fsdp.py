@@ -1,4 +1,5 @@
-"""FSDP1 (`FullyShardedDataParallel`): a unit flattens its parameters into one FlatParameter and
+"""What FSDP needs of a monitor. After a probe forward, every unit sharded again (`reshard`).
+FSDP1 (`FullyShardedDataParallel`): a unit flattens its parameters into one FlatParameter and
 each rank holds a slice of it. Under `use_orig_params=True` each original parameter is this rank's
 piece of that slice (flat, empty where the rank holds none of it): read as a `Piece`, reduced
 across the unit's ranks as a DTensor's shards are, never gathered. Without it, the original
@@ -24,10 +25,19 @@ def units(model: nn.Module):
 
 
 def reshard(model: nn.Module) -> None:
-    """Free what a probe forward left gathered: FSDP1 keeps the root's parameters (every unit's under
-    SHARD_GRAD_OP) whole after a forward, for the backward. Read between the backward and the
-    optimizer's step, training's next forward would run on the weights before that step; freed, it
-    gathers them anew, as after a backward."""
+    """Free what a probe forward left gathered: FSDP keeps the root's parameters (FSDP1: every
+    unit's under SHARD_GRAD_OP; FSDP2: any unit's with reshard_after_forward=False) whole after a
+    forward, for the backward. Read between the backward and the optimizer's step, training's next
+    forward would run on the weights before that step (and FSDP2's module would hold its gathered
+    parameters, not the sharded ones the optimizer steps); freed, they are gathered anew, as after
+    a backward."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     for _, handle in units(model):
         handle.reshard(True)
         handle.post_reshard()
