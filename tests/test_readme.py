@@ -43,7 +43,7 @@ def test_every_readme_code_block_runs(tmp_path):
     assert {p.name for p in (tmp_path / "runs").glob("*.parquet")} == {"baseline.parquet", "teamB.parquet",
                                                                         "mlx-run.parquet", "lstm.parquet", "heads.parquet",
                                                                         "bert-hf.parquet", "lightning.parquet", "fsdp.parquet",
-                                                                        "tp.parquet", "pp.parquet", "keras.parquet",
+                                                                        "tp.parquet", "fsdp_tp.parquet", "pp.parquet", "keras.parquet",
                                                                         "flax.parquet"}
     # every quickstart's run passes the default gate: no critical finding, every run closed cleanly
     gate = subprocess.run([sys.executable, "-m", "actrace.cli", "check", tmp_path / "runs"], capture_output=True,

@@ -1,6 +1,7 @@
-"""Sharded training read as one model: FSDP2 (`fully_shard`), tensor-parallel runs, eager and
-compiled, and pipeline stages, under `torchrun` with two CPU ranks (gloo) against one process on the same weights and
-batch. Gradients and parameters are read from their local shards, reduced across ranks, never
+"""Sharded training read as one model: FSDP2 (`fully_shard`), FSDP1, tensor parallel (alone, inside
+FSDP or inside pipeline stages on a 2-D mesh), eager and compiled, pipeline stages and experts placed
+on ranks, under `torchrun` with two or four CPU ranks (gloo) against one process on the same weights
+and batch. Gradients and parameters are read from their local shards, reduced across ranks, never
 gathered; a tensor-parallel layer's units from each rank's slice, joined in unit order."""
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ SCRIPT = textwrap.dedent("""
         fully_shard(model)  # the root's own unit: the other linears, kept whole after a forward
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # FSDP averages the ranks' gradients: the batch's
-    if how.startswith("fsdp1"):  # two units: the middle linear, and the rest under the root
+    if how.startswith("fsdp1"):  # two units: the middle linear, and the rest under the root (the default:
+        # each unit's parameters flattened into one, `use_orig_params=True`: each still a parameter)
         import functools
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -72,12 +74,20 @@ SCRIPT = textwrap.dedent("""
     if how.endswith("compile"):
         model = torch.compile(model)
     watched, train = model, lambda: ((model(x) - y) ** 2).mean().backward()
-    if how.startswith("pp"):  # two stages: layers 0-1 on rank 0, 2-4 on rank 1; the same probe on both
+    if how.startswith("pp") or how == "staged-tp":  # two stages: layers 0-1, then 2-4; the same probe on both
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
         dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        model = model[:2] if rank == 0 else model[2:] if how == "pp" else nn.Sequential(*model[2:])  # named 0-2
-        watched = PipelineStage(model, rank, 2, torch.device("cpu"))
+        rank, group = dist.get_rank(), None
+        if how == "staged-tp":  # 4 ranks: each stage on two, its linears' units split between them
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+            rank, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(),  # hands on its slice to stage 1
+                                                   "2": RowwiseParallel(input_layouts=Shard(-1))})
+        model = model[:2] if rank == 0 else model[2:] if how != "pp-renumbered" else nn.Sequential(*model[2:])  # 0-2
+        watched = PipelineStage(model, rank, 2, torch.device("cpu"), group=group)
         schedule = ScheduleGPipe(watched, n_microbatches=4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
         train = (lambda: schedule.step(x)) if rank == 0 else (lambda: schedule.step(target=y))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -90,10 +100,7 @@ SCRIPT = textwrap.dedent("""
                 opt.step()
                 opt.zero_grad()
     told = [str(w.message) for w in said if "actrace" in str(w.message)]
-    if how == "fsdp1-flat" and dist.get_rank() == 0:  # its parameters not read, and the trace says so
-        assert len(told) == 2 and "use_orig_params=False are skipped" in told[0] and "no gradient" in told[1], told
-    else:
-        assert told == [], told
+    assert told == [], told
     if how != "one":
         dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
@@ -167,12 +174,13 @@ def read_as_one(d, how: str) -> dict:
     return other
 
 
-SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6, "fsdp1": 7}
+SHARDED = {"fsdp2": 1, "tp": 2, "fsdp2-compile": 3, "tp-compile": 4, "tp-dtensor": 5, "pp": 6, "fsdp1": 7, "fsdp1-flat": 8}
 
 
 @pytest.mark.parametrize("how", SHARDED)
 def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
-    """FSDP2 (each rank its share of the probe, its shards of the parameters), tensor parallel
+    """FSDP2 and FSDP1 with and without its original parameters (each rank its share of the probe,
+    its shards of the parameters: a FlatParameter's pieces for FSDP1), tensor parallel
     (column- then row-parallel linears: each rank the whole probe and a slice of the units; their
     outputs local or DTensors), eager or under `torch.compile`, and a pipeline of two stages (each
     rank its own layers, the probe handed from stage to stage): every reading, its depth in forward
@@ -196,26 +204,78 @@ def test_a_sharded_run_is_one_trace_that_reads_as_one_process(runs, how):
             assert (a["unit_zero"], a["unit_count"]) == (b["unit_zero"], b["unit_count"]), key
 
 
-def test_fsdp1_without_its_original_parameters_reads_the_probe_and_says_what_it_cannot_read(runs):
-    """FSDP1 under use_orig_params=False flattens each unit's parameters into one: the probe still
-    runs through its root (which gathers them) and reads as one process's; the gradients and
-    parameters are not read, which rank 0 said (the script checks) and the trace's status says."""
-    one, flat = _rows(runs[0]), _rows(runs[8])
-    assert validate(runs[8]) == [] and metadata.read(runs[8])["status"].startswith("incomplete")
-    assert sorted(flat) == sorted(k for k in one if k[1] == "activation")
-    same_per_unit({k: one[k] for k in flat}, flat)
-
-
-def test_fsdp_over_tensor_parallel_on_a_2d_mesh_reads_as_one_process(tmp_path):
-    """Four ranks on a 2 x 2 mesh, FSDP2 over two data-parallel pairs whose ranks split the linears'
-    units: each pair reads its share of the probe, joins its slices in unit order, and the pairs'
-    shares merge; eager and compiled, every reading equals one process's and the units killed by
-    their bias (all on one rank's slice) read 4 of 16 dead."""
-    launch(tmp_path, SCRIPT, ("2d", "2d-compile"), ranks=4)
-    for how in ("2d", "2d-compile"):
+def test_tensor_parallel_inside_fsdp_or_pipeline_stages_on_a_2d_mesh_reads_as_one_process(tmp_path):
+    """Four ranks on a 2 x 2 mesh whose pairs split the linears' units: FSDP2 over two data-parallel
+    pairs (each pair reads its share of the probe, joins its slices in unit order, and the pairs'
+    shares merge), eager and compiled, and two pipeline stages of a pair each (the probe handed on
+    from pair to pair): every reading equals one process's, and the units killed by their bias (all
+    on one rank's slice) read 4 of 16 dead."""
+    hows = ("2d", "2d-compile", "staged-tp")
+    launch(tmp_path, SCRIPT, hows, ranks=4)
+    for how in hows:
         read_as_one(tmp_path, how)
-        dead = metrics(tmp_path / f"{how}.parquet").filter((pl.col("layer") == "1") & (pl.col("stream") == "activation"))
-        assert dead["dead_fraction"].to_list() == [4 / 16] * 2
+        table = metrics(tmp_path / f"{how}.parquet")
+        dead = table.filter((pl.col("layer") == "1") & (pl.col("stream") == "activation"))["dead_fraction"]
+        assert dead.to_list() == [4 / 16] * 2
+
+
+LLAMA_FSDP = textwrap.dedent("""
+    import sys, warnings
+    import torch, torch.distributed as dist
+    import transformers
+    from actrace.adapters.torch import Monitor
+
+    out, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa"))
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate_proj.weight[40:] = 0.0  # 24 of 64 units silent
+    ids, probe = torch.randint(0, 64, (4, 10)), torch.randint(0, 64, (3, 10))
+    if how != "one":  # each rank half the batch; FSDP averages the ranks' gradients: the batch's
+        dist.init_process_group("gloo")
+        ids = ids.chunk(dist.get_world_size())[dist.get_rank()]
+        if how == "fsdp2":  # each decoder layer a unit; the embeddings, norm and head in the root's
+            from torch.distributed.fsdp import fully_shard
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=how == "fsdp1",
+                                             auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(model, {"input_ids": probe}, out, probe_every=1, param_every=1) as mon:
+            for step in range(3):  # a probe between each backward and step: the next forward must see the step's weights
+                model(input_ids=ids, labels=ids).loss.backward()
+                mon.step(step)
+                opt.step()
+                opt.zero_grad()
+    told = [str(w.message) for w in said if "actrace" in str(w.message)]
+    assert told == [], told
+    if how != "one":
+        dist.barrier()
+        dist.destroy_process_group()
+""")
+
+
+def test_hugging_face_llama_under_fsdp2_and_fsdp1_trains_and_reads_as_one_process(tmp_path):
+    """Hugging Face's Llama trained three steps under FSDP2 (a unit per decoder layer, the embeddings,
+    norm and head in the root's) and FSDP1 (with and without its original parameters), a probe
+    reading between each backward and optimizer step: every reading, the parameters after each step
+    and the 24 gate units silenced at the start included, equals one process's (a root left gathered
+    by the probe would have run the next step on the weights before the last)."""
+    hows = ("fsdp2", "fsdp1", "fsdp1-flat")
+    launch(tmp_path, LLAMA_FSDP, hows)
+    for how in hows:
+        rows = read_as_one(tmp_path, how)
+        gate = rows[(0, "activation", "model.layers.1.mlp.gate_proj", None)]  # silent until the first step
+        assert np.all(np.asarray(gate["unit_max"])[40:] == 0) and np.all(np.asarray(gate["unit_max"])[:40] > 0)
 
 
 def test_dead_units_of_a_sharded_model_read_as_one_processs(runs):

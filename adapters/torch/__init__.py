@@ -23,12 +23,13 @@ from actrace.reduce.torch import keep, layer_readings, update_norms
 
 from . import ranks
 from .forward import ProbeForward
+from .fsdp import FlatShards
 from .gradients import Gradients
 from .kinds import module_kind
 from .pipeline import Pipeline, is_stage
 from .probe import Probe
 from .shards import split_of
-from .trace import own_parameters, root_name, runner, unwrap
+from .trace import root_name, runner, unwrap
 
 __all__ = ["Monitor", "module_kind"]
 
@@ -65,22 +66,18 @@ class Monitor(Recorder):
         self.include, self.exclude, self.types = patterns(include), patterns(exclude), types
         self.param_every, self.rank, self.world = param_every or probe_every, *_dist()
         split = split_of(self.inner)
-        self.split = split is not None and self.pipeline is not None  # a stage's slices would join across stages
         self.forward = ProbeForward(self.inner, Probe(probe, _device(self.inner)), self._wanted, unit_axes or {},
-                                    histogram, probe_chunk, self.rank, self.world, patterns(logits),
-                                    None if self.split else split, self.pipeline, runner(wrapped))
-        if self.split and self.rank == 0:
-            warnings.warn("actrace: a tensor-parallel model in pipeline stages: each rank holds a slice of its "
-                          "stage's units, which this version does not read as one there; probe readings are "
-                          "skipped, gradient and parameter readings are read whole", stacklevel=2)
+                                    histogram, probe_chunk, self.rank, self.world, patterns(logits), split,
+                                    self.pipeline, runner(wrapped))
         selective = include or exclude or types
-        mode, order = ("eval", []) if self.split else self.forward.trial(
+        mode, order = self.forward.trial(
             f"include={self.include} exclude={self.exclude} types={types}" if selective else None)
         trace = self.forward.trace  # layers with parameters of their own, for gradient and parameter readings
+        flat = FlatShards(self.forward.runner)  # FSDP1's parameters, held in pieces of their units' shards
         self.layers = {name: (m, k) for m, path in trace.paths.items() if (k := trace.kinds[m])
-                       and (name := path or root_name(k)) and any(True for _ in own_parameters(m))
+                       and (name := path or root_name(k)) and any(True for _ in flat.parameters(m))
                        and self._wanted(name, m)}
-        self.grads = Gradients(self.forward, self.layers, scaler, activation_grads,
+        self.grads = Gradients(self.forward, self.layers, flat, scaler, activation_grads,
                                due=lambda: self.grads_due(self._steps_seen))
         trainable = grad_every and any(p.requires_grad for p in self.forward.runner.parameters())
         super().__init__(out, framework="torch", framework_version=torch.__version__, adapter="actrace.adapters.torch",
@@ -109,8 +106,6 @@ class Monitor(Recorder):
     def probe_reading(self, step: int) -> int:
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
         self.last_probe = step
-        if self.split:
-            return 0
         fingerprint = self.forward.probe.check()
         return self.write(step, self.forward.read(), mode=self.mode, probe_fingerprint=fingerprint)
 

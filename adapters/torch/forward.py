@@ -131,9 +131,9 @@ class ProbeForward:
             readings = join(readings, held, split.tp)
             if split.size > 1:  # FSDP over tensor parallel: each data-parallel group its share
                 readings = ranks.merge_shares(readings, self.probe.device, split.dp)
-        elif self.pipeline is not None:
+        if self.pipeline is not None:
             readings = self.pipeline.gather(readings)
-        elif self.world > 1:
+        elif self.world > 1 and not split:
             readings = ranks.merge_shares(readings, self.probe.device)
         return readings
 

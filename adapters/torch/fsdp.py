@@ -1,17 +1,21 @@
 """What FSDP needs of a monitor. After a probe forward, every unit sharded again (`reshard`).
 FSDP1 (`FullyShardedDataParallel`): a unit flattens its parameters into one FlatParameter and
-each rank holds a slice of it. Under `use_orig_params=True` each original parameter is this rank's
-piece of that slice (flat, empty where the rank holds none of it): read as a `Piece`, reduced
-across the unit's ranks as a DTensor's shards are, never gathered. Without it, the original
-parameters are not parameters at all between forwards: said once, not read."""
+each rank holds a slice of it. Each original parameter is read from this rank's piece of that
+slice (flat, empty where the rank holds none of it) as a `Piece`, reduced across the unit's ranks
+as a DTensor's shards are, never gathered: under `use_orig_params=True` the parameter is that
+piece; without it, the module holds no parameter between forwards, and a `Flat` stands for it.
+"""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from actrace.reduce.torch import Piece
+
+from .trace import own_parameters
 
 SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")  # one process group holds each value once
 
@@ -43,28 +47,51 @@ def reshard(model: nn.Module) -> None:
         handle.post_reshard()
 
 
+@dataclass(eq=False)
+class Flat:
+    """An original parameter of an FSDP1 unit under use_orig_params=False: index `i` of `flat`."""
+
+    flat: nn.Parameter
+    i: int
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.flat.requires_grad
+
+
 class FlatShards:
-    """The original parameters of `model`'s FSDP1 units held in pieces: {parameter: (its unit's
-    FlatParameter, its index there, the unit's process group)}."""
+    """The original parameters of `model`'s FSDP1 units held in pieces: {parameter or `Flat`: (its
+    unit's FlatParameter, its index there, the unit's process group)}; `owned`: {module: [(name,
+    `Flat`)]}, the parameters a module holds only inside its unit's FlatParameter."""
 
     def __init__(self, model: nn.Module):
-        self.of: dict = {}
-        said = []
+        self.of, self.owned = {}, {}
+        said = set()
         for unit, handle in units(model):
-            if not handle._use_orig_params or handle._sharding_strategy.name not in SHARDED:
-                said.append(f"{handle._sharding_strategy.name}" if handle._use_orig_params else "use_orig_params=False")
+            if handle._sharding_strategy.name not in SHARDED:
+                said.add(handle._sharding_strategy.name)
                 continue
             flat = handle.flat_param
-            for i, p in enumerate(flat._params):
-                self.of[p] = (flat, i, unit.process_group)
+            if handle._use_orig_params:
+                self.of.update((p, (flat, i, unit.process_group)) for i, p in enumerate(flat._params))
+                continue
+            for i, info in enumerate(flat._param_infos):  # a tied parameter once, under its first holder
+                self.of[key := Flat(flat, i)] = (flat, i, unit.process_group)
+                self.owned.setdefault(info.module, []).append((info.param_name, key))
         if said and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            warnings.warn(f"actrace: the gradient and parameter readings of FSDP units under {', '.join(sorted(set(said)))} "
-                          "are skipped: their parameters are flattened pieces this version does not place "
-                          "(use_orig_params=True with FULL_SHARD or SHARD_GRAD_OP reads them)", stacklevel=3)
+            warnings.warn(f"actrace: the gradient and parameter readings of FSDP units under {', '.join(sorted(said))} "
+                          "are skipped: their shards lie across two process groups this version does not join "
+                          "(FULL_SHARD or SHARD_GRAD_OP reads them)", stacklevel=3)
 
     def flats(self) -> list:
         """Each unit's FlatParameter once."""
         return list({id(flat): flat for flat, _, _ in self.of.values()}.values())
+
+    def parameters(self, module: nn.Module):
+        """(name, parameter or `Flat`) of a module's own parameters, those held only inside its FSDP1
+        unit's FlatParameter included."""
+        yield from own_parameters(module)
+        yield from self.owned.get(module, ())
 
     def grad(self, p: nn.Parameter):
         """p's gradient as read: a `Piece` of its unit's sharded gradient (on every rank of the unit

@@ -16,21 +16,20 @@ from actrace.reduce.torch import layer_readings, reduce_tensor, to_readings
 from .fsdp import FlatShards
 from .forward import ProbeForward
 from .recurrent import param as recurrent_param
-from .trace import ForwardTrace, Output, own_parameters
+from .trace import ForwardTrace, Output
 
 
 class Gradients:
     """The gradients of `layers` ({name: (module, kind)}) of `forward.model`; activation gradients
     of the forwards that start while `due()` says so."""
 
-    def __init__(self, forward: ProbeForward, layers: dict, scaler=None, activation_grads: bool = False,
-                 due=lambda: True):
-        self.forward, self.scaler, self.due = forward, scaler, due
-        self.params, self.aliases = _parameters(layers)
-        self.flat = FlatShards(forward.runner)  # FSDP1's pieces, whose unit's flat gradient arrives instead
+    def __init__(self, forward: ProbeForward, layers: dict, flat: FlatShards, scaler=None,
+                 activation_grads: bool = False, due=lambda: True):
+        self.forward, self.scaler, self.due, self.flat = forward, scaler, due, flat
+        self.params, self.aliases = _parameters(layers, flat)
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
-                         if p.requires_grad and p not in self.flat.of]
+                         if p not in flat.of and p.requires_grad]  # FSDP1's: its unit's flat gradient arrives
         self._handles += [flat.register_hook(self._arrived) for flat in self.flat.flats() if flat.requires_grad]
         if activation_grads:
             model = forward.model
@@ -97,13 +96,13 @@ class Gradients:
             h.remove()
 
 
-def _parameters(layers: dict) -> tuple[list[tuple[str, str, str, nn.Parameter]], dict[str, str]]:
+def _parameters(layers: dict, flat: FlatShards) -> tuple[list[tuple[str, str, str, nn.Parameter]], dict[str, str]]:
     """(layer, kind, parameter name, parameter) of every layer's own parameters, each once, and the
     other names of tied ones (`aliases`); a recurrent module's by layer and direction (`lstm.l1`,
     `weight_ih`)."""
     params, aliases, first = [], {}, {}
     for name, (module, kind) in layers.items():
-        for pname, p in own_parameters(module):
+        for pname, p in flat.parameters(module):
             layer, own = recurrent_param(name, module, pname)
             if p in first:
                 aliases[f"{layer}/{own}"] = first[p]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from actrace.format.schema import ACTIVATION_KINDS, activation_kind, clamp_kind
@@ -70,9 +71,19 @@ def module_kind(module: nn.Module) -> str | None:
         core = _CLASS.match(re.sub(r"[^a-z0-9]", "", name))
         if core and activation_kind(core["core"]):
             return activation_kind(core["core"])
-    if any(True for _ in module.parameters(recurse=False)):
+    if holds_parameters(module):
         return "norm" if "norm" in name else "embedding" if "embed" in name else "other"
     return None
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    """Whether a module has parameters of its own: registered (an FSDP1 unit's FlatParameter is the
+    unit's, not its wrapper's), or flattened into its unit's by FSDP1 under use_orig_params=False,
+    which leaves them plain tensors of the module."""
+    if any(not getattr(p, "_is_flat_param", False) for p in module.parameters(recurse=False)):
+        return True
+    return getattr(module, "_fsdp_use_orig_params", None) is False and any(
+        isinstance(v, torch.Tensor) for v in vars(module).values())
 
 
 def module_bounds(module: nn.Module) -> tuple[float, float] | None:

@@ -1,4 +1,5 @@
-"""Tensor parallel (`parallelize_module`, alone or inside FSDP's data-parallel shards on a 2-D mesh):
+"""Tensor parallel (`parallelize_module`, alone, inside FSDP's data-parallel shards or inside
+pipeline stages on a 2-D mesh):
 which slice of a layer's units each rank's local tensor holds, so that the ranks' readings join into
 the whole layer's: per-unit columns in global unit order, the rest by the schema's merge rules
 (spec §Columns).
@@ -26,7 +27,7 @@ from .axes import TensorMap, _pointwise, _tensors
 
 @dataclass(frozen=True)
 class Split:
-    """How a tensor-parallel model's ranks share the probe: the ranks of `tp` (None: every rank) each
+    """How a tensor-parallel model's ranks share the probe: the ranks of `tp` (a process group) each
     hold a slice of the same examples' units; across the groups `dp` (FSDP over tensor parallel:
     a mesh of two dimensions or more) the examples differ, this rank's being share `rank` of `size`."""
 
@@ -48,8 +49,8 @@ def split_of(model) -> Split | None:
     meshes = [p.device_mesh for p in sharded if p.device_mesh.ndim > 1]
     if not sharded or (not meshes and any(isinstance(m, FSDPModule) for m in model.modules())):
         return None
-    if not meshes:
-        return Split()
+    if not meshes:  # the tensor-parallel ranks: the mesh's (pipeline stages: a stage's), not every rank
+        return Split(sharded[0].device_mesh.get_group())
     mesh = meshes[0]
     outer = list(range(mesh.ndim - 1))
     where, sizes = mesh.get_coordinate(), [mesh.size(d) for d in outer]

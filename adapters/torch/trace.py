@@ -464,7 +464,8 @@ def own_parameters(module: torch.nn.Module):
     """(name, parameter) of a module's own parameters, those its parametrizations compute a tensor
     from included (`weight.original0` of a weight-normed conv): what its gradients are read of. An
     FSDP1 unit's FlatParameter (its modules' parameters flattened: `fsdp.py`) is no layer's own."""
-    yield from ((name, p) for name, p in module.named_parameters(recurse=False) if not getattr(p, "_is_flat_param", False))
+    yield from ((name, p) for name, p in module.named_parameters(recurse=False)
+                if not getattr(p, "_is_flat_param", False))
     if parametrize.is_parametrized(module):
         for tensor, plist in module.parametrizations.items():
             for name, p in plist.named_parameters():
