@@ -21,6 +21,25 @@ from actrace.files.validate import validate
 
 from conftest import HUNG
 
+# three steps, readings between each backward and optimizer step (the next forward must see the step's
+# weights); the script before sets model, watched, probe, train and the Monitor's options
+TRAIN = textwrap.dedent("""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(watched, probe, out, param_every=1, **options) as mon:
+            for step in range(3):
+                train()
+                mon.step(step)
+                opt.step()
+                opt.zero_grad()
+    told = [str(w.message) for w in said if "actrace" in str(w.message)]
+    assert told == [], told
+    if how != "one":
+        dist.barrier()  # every rank's last collective done before the group goes
+        dist.destroy_process_group()
+""")
+
 SCRIPT = textwrap.dedent("""
     import sys, warnings
     import torch, torch.distributed as dist
@@ -90,21 +109,8 @@ SCRIPT = textwrap.dedent("""
         watched = PipelineStage(model, rank, 2, torch.device("cpu"), group=group)
         schedule = ScheduleGPipe(watched, n_microbatches=4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
         train = (lambda: schedule.step(x)) if rank == 0 else (lambda: schedule.step(target=y))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        with Monitor(watched, probe, out, probe_every=2, param_every=1, probe_chunk=4) as mon:  # 2 chunks each
-            for step in range(3):
-                train()
-                mon.step(step)
-                opt.step()
-                opt.zero_grad()
-    told = [str(w.message) for w in said if "actrace" in str(w.message)]
-    assert told == [], told
-    if how != "one":
-        dist.barrier()  # every rank's last collective done before the group goes
-        dist.destroy_process_group()
-""")
+    options = dict(probe_every=2, probe_chunk=4)  # 2 chunks each
+""") + TRAIN
 
 
 def _port() -> str:
@@ -219,7 +225,7 @@ def test_tensor_parallel_inside_fsdp_or_pipeline_stages_on_a_2d_mesh_reads_as_on
         assert dead.to_list() == [4 / 16] * 2
 
 
-LLAMA_FSDP = textwrap.dedent("""
+LLAMA_MODEL = textwrap.dedent("""
     import sys, warnings
     import torch, torch.distributed as dist
     import transformers
@@ -231,7 +237,11 @@ LLAMA_FSDP = textwrap.dedent("""
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, attn_implementation="sdpa"))
     with torch.no_grad():
-        model.model.layers[1].mlp.gate_proj.weight[40:] = 0.0  # 24 of 64 units silent
+        model.model.layers[1].mlp.gate_proj.weight[40:] = 0.0  # 24 of 64 units silent: rank 1's slice under TP
+""")
+
+
+LLAMA_FSDP = LLAMA_MODEL + textwrap.dedent("""
     ids, probe = torch.randint(0, 64, (4, 10)), torch.randint(0, 64, (3, 10))
     if how != "one":  # each rank half the batch; FSDP averages the ranks' gradients: the batch's
         dist.init_process_group("gloo")
@@ -247,21 +257,9 @@ LLAMA_FSDP = textwrap.dedent("""
             from transformers.models.llama.modeling_llama import LlamaDecoderLayer
             model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=how == "fsdp1",
                                              auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        with Monitor(model, {"input_ids": probe}, out, probe_every=1, param_every=1) as mon:
-            for step in range(3):  # a probe between each backward and step: the next forward must see the step's weights
-                model(input_ids=ids, labels=ids).loss.backward()
-                mon.step(step)
-                opt.step()
-                opt.zero_grad()
-    told = [str(w.message) for w in said if "actrace" in str(w.message)]
-    assert told == [], told
-    if how != "one":
-        dist.barrier()
-        dist.destroy_process_group()
-""")
+    watched, probe, options = model, {"input_ids": probe}, dict(probe_every=1)
+    train = lambda: model(input_ids=ids, labels=ids).loss.backward()
+""") + TRAIN
 
 
 def test_hugging_face_llama_under_fsdp2_and_fsdp1_trains_and_reads_as_one_process(tmp_path):
@@ -286,20 +284,7 @@ def test_dead_units_of_a_sharded_model_read_as_one_processs(runs):
     assert dead[0] == dead[1] == dead[2] and dead[0][0] == 4 / 16
 
 
-LLAMA = textwrap.dedent("""
-    import sys, warnings
-    import torch, torch.distributed as dist
-    import transformers
-    from actrace.adapters.torch import Monitor
-
-    out, how = sys.argv[1], sys.argv[2]
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="sdpa"))
-    with torch.no_grad():
-        model.model.layers[1].mlp.gate_proj.bias = None
-        model.model.layers[1].mlp.gate_proj.weight[40:] = 0.0  # 24 of 64 units silent: rank 1's slice
+LLAMA = LLAMA_MODEL + textwrap.dedent("""
     ids = torch.randint(0, 64, (3, 10))
     if how == "tp":
         from torch.distributed.device_mesh import init_device_mesh
