@@ -70,6 +70,14 @@ SCRIPT = textwrap.dedent("""
                                          use_orig_params=how == "fsdp1")
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    if how == "hsdp":  # FSDP2 on a 2 x 2 mesh: parameters sharded within pairs, replicated across them
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x, y = x.chunk(4)[dist.get_rank()], y.chunk(4)[dist.get_rank()]
     if how.startswith("2d"):  # a 2 x 2 mesh: FSDP2 over two data-parallel pairs, each pair tensor parallel
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -214,9 +222,10 @@ def test_tensor_parallel_inside_fsdp_or_pipeline_stages_on_a_2d_mesh_reads_as_on
     """Four ranks on a 2 x 2 mesh whose pairs split the linears' units: FSDP2 over two data-parallel
     pairs (each pair reads its share of the probe, joins its slices in unit order, and the pairs'
     shares merge), eager and compiled, and two pipeline stages of a pair each (the probe handed on
-    from pair to pair): every reading equals one process's, and the units killed by their bias (all
-    on one rank's slice) read 4 of 16 dead."""
-    hows = ("2d", "2d-compile", "staged-tp")
+    from pair to pair), and FSDP2 sharding within pairs and replicating across them (HSDP): every
+    reading equals one process's, and the units killed by their bias (all on one rank's slice) read
+    4 of 16 dead."""
+    hows = ("2d", "2d-compile", "staged-tp", "hsdp")
     launch(tmp_path, SCRIPT, hows, ranks=4)
     for how in hows:
         read_as_one(tmp_path, how)

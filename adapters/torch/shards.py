@@ -40,7 +40,8 @@ class Split:
 def split_of(model) -> Split | None:
     """The model's `Split`, from its DTensor parameters; None where no layer is split across ranks
     (FSDP alone shards parameters, not units). On a mesh of two dimensions or more, FSDP's and
-    data-parallel dimensions come first and the tensor-parallel one last, as FSDP composes them."""
+    data-parallel dimensions come first and the tensor-parallel one last, as FSDP composes them
+    (HSDP alone: the ranks of its last, sharding dimension read the same share, as one)."""
     if not dist.is_available():
         return None
     from torch.distributed.fsdp import FSDPModule
