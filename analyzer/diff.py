@@ -12,6 +12,7 @@ first readings is said apart, as a difference from the start.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -173,15 +174,28 @@ def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] 
     """(index, the gap before) of the first reading from which the gap is more than `h` away from
     its median over every reading before, for `persist` readings in a row (to the end, two at
     least); None where it never moves so. Candidates are the readings at least half a band from the
-    mean before (one pass over all), and the median decides (a pass only for each candidate)."""
+    mean before (one pass over all), and the median decides (the prefixes' medians made once)."""
     n = len(gap)
     mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
-    for i in np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1:
-        before = float(np.median(gap[:i]))
-        away = np.abs(gap[i: i + persist] - before) > h[i: i + persist]
-        if away.all() and len(away) >= min(persist, 2):
-            return int(i), before
+    candidates = (np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1).tolist()
+    if not candidates:
+        return None
+    gaps, bands, before = gap.tolist(), h.tolist(), _medians_before(gap[: candidates[-1]])
+    for i in candidates:
+        ahead = range(i, min(i + persist, n))
+        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] for j in ahead):
+            return i, before[i]
     return None
+
+
+def _medians_before(v: np.ndarray) -> list[float]:
+    """[i]: the median of v[:i] (NaN at 0), each prefix's by one sorted insertion, not a sort."""
+    ordered, out = [], [math.nan]
+    for x in v.tolist():
+        bisect.insort(ordered, x)
+        k = len(ordered)
+        out.append((ordered[(k - 1) // 2] + ordered[k // 2]) / 2)
+    return out
 
 
 def _said(baselines, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> Parting:
