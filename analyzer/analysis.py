@@ -11,17 +11,18 @@ import polars as pl
 from actrace.files.location import location
 from actrace.files.reader import read_source
 
-from .compare import align
+from .compare import layer_keys, with_keys
 from .diff import Diff, diff
 from .engines import ENGINES, on_duckdb, on_spark
 from .findings import Finding, Rules, findings, findings_frame
-from .metrics import Thresholds, reduced, scalars
+from .metrics import Thresholds, last_reading, reduced, scalars
 from .signals import series, units
+from .tables import RunTables
 
 
 @dataclass
 class Analysis:
-    metrics: pl.DataFrame     # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more
+    tables: RunTables         # per (run, layer, stream, step): analyzer.metrics.METRIC_COLUMNS and more, run by run
     runs: list[dict]          # per trace, in the order given: its file metadata and `file`
     scalars: pl.DataFrame     # the training loop's logged values: run, step, name (loss, lr, …), value
     signals: tuple            # derived readings: analyzer.signals.series and .units (heads, experts)
@@ -32,14 +33,25 @@ class Analysis:
     _parted: dict = field(default_factory=dict, repr=False)
 
     @cached_property
+    def metrics(self) -> pl.DataFrame:
+        """The metric table of every run, sorted for reading (made when first asked)."""
+        return self.tables.whole()
+
+    @cached_property
     def findings(self) -> list[Finding]:
-        """The findings rules over the metrics, most urgent first."""
-        return findings(self.metrics, self.rules, self.runs, self.th, self.scalars, self.signals)
+        """The findings rules over the metrics, a batch of runs at a time, most urgent first."""
+        return findings(self.tables.frames(), self.rules, self.runs, self.th, self.scalars, self.signals)
 
     @property
     def findings_frame(self) -> pl.DataFrame:
         """The findings as a Polars frame, numbers as numbers (analyzer.findings.FINDING_COLUMNS)."""
         return findings_frame(self.findings)
+
+    @cached_property
+    def latest(self) -> pl.DataFrame:
+        """Each run's layers at their last reading of each stream (what the layer table shows)."""
+        return pl.concat([last_reading(m, "run", "layer", "stream") for m in self.tables.frames()],
+                         how="diagonal_relaxed")
 
     @property
     def baseline(self) -> str | None:
@@ -47,9 +59,24 @@ class Analysis:
         return self.runs[0].get("run_name") if self.runs else None
 
     @cached_property
+    def keys(self) -> pl.DataFrame:
+        """The layer key of each run's layer across runs (analyzer.compare.layer_keys)."""
+        return layer_keys(self.tables.layers, self.mapping)
+
+    @cached_property
     def aligned(self) -> pl.DataFrame:
         """The metrics with `aligned` (a layer key shared across runs) and `x` (analyzer.compare)."""
-        return align(self.metrics, self.mapping, self.x)
+        return with_keys(self.metrics, self.keys, self.x)
+
+    def compared(self, baselines: list[str], runs: list[str], **options) -> Diff:
+        """`analyzer.diff.diff` of `runs` against `baselines`, a batch of runs at a time (each run is
+        compared with the baselines alone)."""
+        def frame(names):
+            return with_keys(self.tables.whole(names), self.keys, self.x)
+        base = frame(dict.fromkeys(baselines))
+        runs = [r for r in dict.fromkeys(runs) if r not in baselines]
+        return Diff.joined([diff(pl.concat([base, frame(batch)]), baselines, batch, **options)
+                            for batch in self.tables.batches(runs)])
 
     def histograms(self, pairs: list[tuple[str, str]]) -> pl.DataFrame:
         """run, layer, step, hist of the activation readings of the chosen (run, layer) pairs."""
@@ -71,7 +98,7 @@ class Analysis:
         if baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
         if baseline not in self._parted:
-            self._parted[baseline] = diff(self.aligned, [baseline], [n for n in names if n != baseline])
+            self._parted[baseline] = self.compared([baseline], names)
         return self._parted[baseline]
 
 
@@ -85,6 +112,10 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    table, side, runs = reduced(paths, th, skip_invalid) if engine == "polars" else \
-        on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else on_spark(paths, th, master, skip_invalid)
-    return Analysis(table, runs, scalars(side), (series(side), units(side)), rules, mapping, x, th)
+    if engine == "polars":
+        tables, side, runs = reduced(paths, th, skip_invalid)
+    else:
+        table, side, runs = on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else \
+            on_spark(paths, th, master, skip_invalid)
+        tables = RunTables.split(table, [meta["run_name"] for meta in runs])
+    return Analysis(tables, runs, scalars(side), (series(side), units(side)), rules, mapping, x, th)

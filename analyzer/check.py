@@ -46,7 +46,8 @@ class Violation:
 
 def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits: dict[str, float] | None = None,
                no_nan: bool = False, fail_on: str = "critical", allow=()) -> list[Violation]:
-    """Every violation of the gate, per run in the order given."""
+    """Every violation of the gate, per run in the order given; `m`: the metrics, or their last
+    readings (`Analysis.latest`: all the limits read)."""
     out = []
     last = last_reading(m, "run", "layer", "stream")
     for option, limit in (limits or {}).items():

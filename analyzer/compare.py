@@ -28,9 +28,13 @@ def load_mapping(path) -> dict[tuple[str, str], str]:
 
 def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.DataFrame:
     """Add `aligned` (a layer key shared across runs) and `x` (step or progress in [0, 1])."""
-    if x not in ("step", "progress"):
-        raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
-    layers = m.select("run", "layer", "layer_index", "kind").unique().sort("run", "layer_index", "layer", "kind")
+    return with_keys(m, layer_keys(m.select("run", "layer", "layer_index", "kind"), mapping), x)
+
+
+def layer_keys(layers: pl.DataFrame, mapping: dict | None = None) -> pl.DataFrame:
+    """run, layer, kind → aligned: the key each run's layer (of `layers`: run, layer, layer_index,
+    kind) compares under."""
+    layers = layers.unique().sort("run", "layer_index", "layer", "kind")
     if mapping:
         layers = layers.with_columns(pl.struct("run", "layer").map_elements(
             lambda r: mapping.get((r["run"], r["layer"]), r["layer"]), return_dtype=pl.String).alias("aligned"))
@@ -40,12 +44,18 @@ def align(m: pl.DataFrame, mapping: dict | None = None, x: str = "step") -> pl.D
         layers = layers.with_columns(pl.when(shared).then(pl.col("layer"))
                                      .otherwise(pl.col("kind") + "[" + order.cast(pl.String) + "]").alias("aligned"))
     # a layer read under two kinds (an LSTM's output sequence `tanh`, its parameters `other`) keeps each
-    # one key per (run, layer, kind), that of its first depth should a trace give it two; the key
-    # column alone joined, the table's others shared
-    keys = layers.unique(["run", "layer", "kind"], keep="first", maintain_order=True)
-    out = m.with_columns(m.select("run", "layer", "kind").join(
-        keys.select("run", "layer", "kind", "aligned"), on=["run", "layer", "kind"], how="left",
-        maintain_order="left")["aligned"])
+    # one key per (run, layer, kind), that of its first depth should a trace give it two
+    return layers.unique(["run", "layer", "kind"], keep="first", maintain_order=True).select(
+        "run", "layer", "kind", "aligned")
+
+
+def with_keys(m: pl.DataFrame, keys: pl.DataFrame, x: str = "step") -> pl.DataFrame:
+    """The metrics `m` with their `aligned` key (of `layer_keys`; the key column alone joined, the
+    table's others shared) and `x`: the step, or the share of its run's steps (`progress`)."""
+    if x not in ("step", "progress"):
+        raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
+    out = m.with_columns(m.select("run", "layer", "kind").join(keys, on=["run", "layer", "kind"], how="left",
+                                                               maintain_order="left")["aligned"])
     if x == "progress":
         span = pl.col("step").max().over("run") - pl.col("step").min().over("run")
         prog = (pl.col("step") - pl.col("step").min().over("run")) / pl.when(span > 0).then(span).otherwise(1)

@@ -80,6 +80,18 @@ class Diff:
     from_start: list[Parting] = field(default_factory=list)
     widths: dict[str, list[str]] = field(default_factory=dict)  # run → "fc (3 vs 64 units)": aligned, yet unlike
 
+    @classmethod
+    def of(cls, partings, unaligned, from_start, widths) -> Diff:
+        """A diff's parts in its order: by run, the most significant first."""
+        return cls(sorted(partings, key=lambda p: (p.run, -p.significance, p.step)), unaligned,
+                   sorted(from_start, key=lambda p: (p.run, -p.significance)), widths)
+
+    @classmethod
+    def joined(cls, diffs: list[Diff]) -> Diff:
+        """The diffs of disjoint sets of runs against one baseline as one."""
+        return cls.of([p for d in diffs for p in d.partings], {r: v for d in diffs for r, v in d.unaligned.items()},
+                      [p for d in diffs for p in d.from_start], {r: v for d in diffs for r, v in d.widths.items()})
+
     @property
     def first(self) -> dict[str, Parting]:
         """Per run, where it parts first: the earliest step, then the first layer in forward order."""
@@ -166,8 +178,7 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
                 partings.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, *found))
             if abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]:  # medians
                 from_start.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, 0, 0.0))
-    return Diff(sorted(partings, key=lambda p: (p.run, -p.significance, p.step)), unaligned,
-                sorted(from_start, key=lambda p: (p.run, -p.significance)), widths)
+    return Diff.of(partings, unaligned, from_start, widths)
 
 
 def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:

@@ -608,19 +608,24 @@ def status_findings(runs: list[dict]) -> list[Finding]:
     return out
 
 
-def findings(m: pl.DataFrame, rules: Rules = Rules(), runs: list[dict] = (),
-             th: Thresholds = Thresholds(), scalars: pl.DataFrame | None = None, signals=None) -> list[Finding]:
-    """All findings over a metrics frame (computed at thresholds `th`), the runs' logged scalars
-    (the loss) and their derived readings (`signals`: `analyzer.signals` series and units), most
-    urgent first."""
+def findings(m, rules: Rules = Rules(), runs: list[dict] = (), th: Thresholds = Thresholds(),
+             scalars: pl.DataFrame | None = None, signals=None) -> list[Finding]:
+    """All findings over a metrics frame (computed at thresholds `th`), or over the frames of its runs
+    one at a time (every rule over metrics reads one run), the runs' logged scalars (the loss) and
+    their derived readings (`signals`: `analyzer.signals` series and units), most urgent first."""
+    found = [f for frame in ([m] if isinstance(m, pl.DataFrame) else m) for f in _metric_findings(frame, rules, th,
+                                                                                                 scalars)]
+    found += status_findings(list(runs)) + (_signal_findings(*signals, rules) if signals is not None else [])
+    # a NaN first: nothing else in a NaN run can be trusted
+    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
+
+
+def _metric_findings(m: pl.DataFrame, rules: Rules, th: Thresholds, scalars: pl.DataFrame | None) -> list[Finding]:
     skipped = pl.col("mode").fill_null("") == "skipped"
     found = _skipped_findings(m.filter(skipped))
     if found:  # else the table as it is: a filter copies every column
         m = m.filter(~skipped)
-    found += _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
-    found += status_findings(list(runs)) + (_signal_findings(*signals, rules) if signals is not None else [])
-    # a NaN first: nothing else in a NaN run can be trusted
-    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
+    return found + _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
 
 
 FINDING_COLUMNS = ["severity", "rule", "run", "layer", "layer_index", "stream", "step", "first_step", "last_step",

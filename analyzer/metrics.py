@@ -7,7 +7,6 @@ per-unit lists are reduced to counts as each trace is read, so many runs fit in 
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +20,8 @@ from actrace.files.reader import TraceError, read_source, trace_sources
 from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS,
                                    SATURATING_SIDES, SPEC_VERSION, STREAMS, minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
+
+from .tables import RunRows, RunTables
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "dormant_fraction",
                   "sparsity", "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
@@ -339,12 +340,13 @@ SIDE_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "count"
                 "min", "max", "value", "unit_sum", "unit_count", "unit_min", "unit_max"]
 
 
-def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
+def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTables, pl.DataFrame, list[dict]]:
     """(metric table, side rows, runs) of the traces: each trace read, checked and reduced to its
-    metric rows and the few rows findings read beside them (SIDE_COLUMNS of the loop's scalars and
-    the derived readings) as soon as it is read, two at a time (reading one while reducing the other),
-    so memory holds two traces' per-unit lists and the metric table. A trace that cannot be read or
-    breaks the spec stops the analysis, naming it; with `skip_invalid` it is left out, and said."""
+    metric rows (held compressed, analyzer.tables) and the few rows findings read beside them
+    (SIDE_COLUMNS of the loop's scalars and the derived readings) as soon as it is read, two at a
+    time (reading one while reducing the other), so memory holds two traces' per-unit lists and the
+    compressed table. A trace that cannot be read or breaks the spec stops the analysis, naming it;
+    with `skip_invalid` it is left out, and said."""
     sources = trace_sources(paths)
     if not sources:
         raise TraceError(f"no traces found in {paths}")
@@ -358,25 +360,24 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataF
             warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
             return None
         side = rows.filter((pl.col("stream") == "scalar") | pl.col("kind").is_in(DERIVED_KINDS)).select(SIDE_COLUMNS)
-        return source, _metric_rows(rows, th).sort(ORDER), side, meta
+        return source, RunRows.of(meta["run_name"], _metric_rows(rows, th).sort(ORDER)), side, meta
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = [d for d in pool.map(reduce, sources) if d is not None]
     if not done:
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
-    # each trace holds one run (spec §Columns): their sorted rows, in the order of the runs' names, are
-    # the sorted table, joined in one copy. A run in several traces (a resumed run, its parameters
+    # each trace holds one run (spec §Columns). A run in several traces (a resumed run, its parameters
     # in another file) has its traces reduced again together: its layers' tensors are one reading
-    names = Counter(meta["run_name"] for *_, meta in done)
-    tables = [t for _, t, _, meta in sorted(done, key=lambda d: d[3]["run_name"]) if names[meta["run_name"]] == 1]
-    split = [source for source, *_, meta in done if names[meta["run_name"]] > 1]
-    if split:
-        with warnings.catch_warnings():  # what their first reading said stands
-            warnings.simplefilter("ignore")
-            rows = pl.concat([_reduce_source(source, th)[0] for source in split], how="diagonal_relaxed")
-        tables.append(_metric_rows(rows, th))
-    table = pl.concat(tables, how="diagonal_relaxed")
-    return (table.sort(ORDER) if split else table, pl.concat([s for _, _, s, _ in done], how="diagonal_relaxed"),
-            [meta for *_, meta in done])
+    split: dict[str, list] = {}
+    for source, *_, meta in done:
+        split.setdefault(meta["run_name"], []).append(source)
+    rows = [r for _, r, _, meta in done if len(split[meta["run_name"]]) == 1]
+    with warnings.catch_warnings():  # what their first reading said stands
+        warnings.simplefilter("ignore")
+        for run, sources in split.items():
+            if len(sources) > 1:
+                joined = pl.concat([_reduce_source(s, th)[0] for s in sources], how="diagonal_relaxed")
+                rows.append(RunRows.of(run, _metric_rows(joined, th).sort(ORDER)))
+    return RunTables(rows), pl.concat([s for _, _, s, _ in done], how="diagonal_relaxed"), [meta for *_, meta in done]
 
 
 def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:
@@ -404,4 +405,4 @@ def last_reading(df: pl.DataFrame, *keys: str) -> pl.DataFrame:
 
 def metrics(paths, th: Thresholds = Thresholds()) -> pl.DataFrame:
     """Per (run, layer, stream, step) metrics of the given traces, sorted for reading."""
-    return reduced(paths, th)[0]
+    return reduced(paths, th)[0].whole()

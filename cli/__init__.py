@@ -77,7 +77,7 @@ def analysis(args):
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
                 skip_invalid=args.skip_invalid, engine=args.engine, master=args.spark_master)
-    if a.metrics.is_empty() and not a.findings:  # a run that never read its model may still have findings
+    if not a.tables.height and not a.findings:  # a run that never read its model may still have findings
         raise ValueError(f"no readings in {' '.join(args.paths)}")
     return a
 
@@ -110,7 +110,7 @@ def cmd_summary(args) -> int:
     parted = a.parted(args.baseline)
     print(format_findings(a.findings))
     print()
-    print(layer_table(a.metrics))
+    print(layer_table(a.latest))
     others = [m["run_name"] for m in a.runs if m["run_name"] != (args.baseline or a.baseline)]
     if others:
         print()
@@ -151,7 +151,7 @@ def cmd_check(args) -> int:
     a = analysis(args)
     runs = [meta.get("run_name") for meta in a.runs]
     limits = {k: getattr(args, k) for k in LIMITS if getattr(args, k) is not None}
-    bad = violations(a.metrics, a.findings, runs, limits=limits, no_nan=args.no_nan, fail_on=args.fail_on,
+    bad = violations(a.latest, a.findings, runs, limits=limits, no_nan=args.no_nan, fail_on=args.fail_on,
                      allow=set(args.allow))
     gates = ["findings", *limits]
     text = {"text": lambda: as_text(bad), "json": lambda: as_json(bad, runs),
@@ -161,7 +161,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from actrace.analyzer.diff import METRICS, as_csv, as_json, as_text, diff
+    from actrace.analyzer.diff import METRICS, as_csv, as_json, as_text
 
     if args.compared:  # diff A1 A2 A3 -- B C: the baseline's seeds, then the runs compared with them
         base_paths, args.paths = args.paths, args.paths + args.compared
@@ -180,7 +180,7 @@ def cmd_diff(args) -> int:
     if not runs:
         raise ValueError("every trace given is a baseline: put the runs to compare after --")
     progress(f"comparing {len(runs)} run(s) with {', '.join(baselines)}")
-    d = diff(a.aligned, baselines, runs, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
+    d = a.compared(baselines, runs, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
     emit({"text": lambda: as_text(d, runs), "json": lambda: as_json(d), "csv": lambda: as_csv(d)}[args.format](),
          args, f"{len(d.partings)} parting(s)")
     return 1 if d.partings else 0

@@ -188,6 +188,32 @@ def test_progress_axis_lines_up_runs_of_different_lengths(tmp_path):
     assert sorted(a["x"].unique().to_list()) == [0.0, 0.5, 1.0]
 
 
+def test_a_sweep_read_a_batch_of_runs_at_a_time_says_what_its_whole_table_says(tmp_path):
+    """Findings, the layer table and the comparison are computed a batch of runs at a time (the
+    metric table held compressed per run): over more runs than a batch, every answer equals the one
+    of the whole table, the layers keyed across every run (one run's other names align every run by
+    order), and the planted partings are found at their step in each batch."""
+    from actrace.analyzer import analyze
+    from actrace.analyzer.summary import layer_table
+    from actrace.analyzer.tables import AT_ONCE
+
+    dying, names = {"r05", "r33", "r70"}, ["l0", "l1", "l2", "l3", "l4", "l5", "out"]
+    for r in range(AT_ONCE * 2 + 8):
+        run = f"r{r:02d}"
+        write_run(tmp_path / f"{run}.parquet", run, dead=lambda s, d=run in dying: 24 if d and s >= 300 else 0,
+                  nan_at=300 if run == "r40" else None, layer_names=names if run == "r71" else None)
+    a = analyze(tmp_path)
+    assert len(a.tables.runs) > 2 * AT_ONCE
+    assert a.findings == findings(a.metrics, a.rules, a.runs, a.th, a.scalars, a.signals)
+    assert {(f.run, f.rule, f.layer, f.step) for f in a.findings if f.rule in ("dead_high", "nan_inf")} == {
+        *((run, "dead_high", "block2.relu", 300) for run in dying), ("r40", "nan_inf", "block3.relu", 300)}
+    assert layer_table(a.latest) == layer_table(a.metrics)
+    others = [r for r in a.tables.runs if r != "r00"]
+    assert a.parted("r00") == diff(align(a.metrics), ["r00"], others)
+    first = {run: (p.aligned, p.metric, p.step) for run, p in a.parted("r00").first.items() if run != "r40"}
+    assert first == {run: ("relu[2]", "dead_fraction", 300) for run in dying}
+
+
 def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
