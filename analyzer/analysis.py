@@ -71,12 +71,19 @@ class Analysis:
     def compared(self, baselines: list[str], runs: list[str], **options) -> Diff:
         """`analyzer.diff.diff` of `runs` against `baselines`, a batch of runs at a time (each run is
         compared with the baselines alone)."""
+        baselines = list(dict.fromkeys(baselines))
+        if not baselines:
+            raise ValueError("no baseline left to compare with (its traces were skipped)")
+        if set(baselines) - set(self.tables.runs):
+            raise ValueError(f"no run {sorted(set(baselines) - set(self.tables.runs))[0]!r} among the traces' runs "
+                             f"to compare with: they are {', '.join(map(str, self.tables.runs))}")
+
         def frame(names):
             return with_keys(self.tables.whole(names), self.keys, self.x)
-        base = frame(dict.fromkeys(baselines))
-        runs = [r for r in dict.fromkeys(runs) if r not in baselines]
-        return Diff.joined([diff(pl.concat([base, frame(batch)]), baselines, batch, **options)
-                            for batch in self.tables.batches(runs)])
+        base = frame(baselines)
+        return Diff.joined([diff(pl.concat([base, frame(own)]) if (own := [r for r in batch if r not in baselines])
+                                 else base, baselines, batch, **options)
+                            for batch in self.tables.batches(dict.fromkeys(runs))])
 
     def histograms(self, pairs: list[tuple[str, str]]) -> pl.DataFrame:
         """run, layer, step, hist of the activation readings of the chosen (run, layer) pairs."""
@@ -98,7 +105,7 @@ class Analysis:
         if baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
         if baseline not in self._parted:
-            self._parted[baseline] = self.compared([baseline], names)
+            self._parted[baseline] = self.compared([baseline], [n for n in names if n != baseline])
         return self._parted[baseline]
 
 

@@ -90,7 +90,8 @@ class Diff:
     def joined(cls, diffs: list[Diff]) -> Diff:
         """The diffs of disjoint sets of runs against one baseline as one."""
         return cls.of([p for d in diffs for p in d.partings], {r: v for d in diffs for r, v in d.unaligned.items()},
-                      [p for d in diffs for p in d.from_start], {r: v for d in diffs for r, v in d.widths.items()})
+                      [p for d in diffs for p in d.from_start],
+                      dict(sorted((r, v) for d in diffs for r, v in d.widths.items())))
 
     @property
     def first(self) -> dict[str, Parting]:
@@ -205,7 +206,7 @@ def _medians_before(v: np.ndarray) -> list[float]:
     for x in v.tolist():
         bisect.insort(ordered, x)
         k = len(ordered)
-        out.append((ordered[(k - 1) // 2] + ordered[k // 2]) / 2)
+        out.append(ordered[k // 2] if k % 2 else (ordered[k // 2 - 1] + ordered[k // 2]) / 2)
     return out
 
 

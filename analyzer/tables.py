@@ -17,13 +17,13 @@ AT_ONCE = 32  # runs read as one frame: few enough to hold, enough that Polars' 
 class RunRows:
     """One run's metric rows, compressed; its layers (LAYER_KEYS, once each) kept as they are."""
 
-    run: str
+    run: str | None  # an engine may give rows of no run
     height: int
     layers: pl.DataFrame
     packed: bytes
 
     @classmethod
-    def of(cls, run: str, frame: pl.DataFrame) -> RunRows:
+    def of(cls, run: str | None, frame: pl.DataFrame) -> RunRows:
         buffer = io.BytesIO()
         frame.write_ipc(buffer, compression="zstd")
         return cls(run, frame.height, frame.select(LAYER_KEYS).unique(maintain_order=True), buffer.getvalue())
@@ -37,13 +37,14 @@ class RunTables:
     table's order): their concatenation is the sorted table."""
 
     def __init__(self, rows: Iterable[RunRows]):
-        self._rows = {r.run: r for r in sorted(rows, key=lambda r: r.run)}
+        self._rows = {r.run: r for r in sorted(rows, key=lambda r: (r.run is None, r.run or ""))}  # a null run last
 
     @classmethod
     def split(cls, table: pl.DataFrame, runs: list[str]) -> RunTables:
-        """A whole sorted table (an engine's) as the rows of each of `runs` (a run of none: no rows)."""
-        parts = table.partition_by("run", as_dict=True, maintain_order=True)
-        return cls(RunRows.of(run, parts.get((run,), table.clear())) for run in dict.fromkeys(runs))
+        """A whole sorted table (an engine's) as the rows of each of its runs and of `runs` (those of
+        the traces' metadata: a run of no readings has no rows)."""
+        parts = {run: part for (run,), part in table.partition_by("run", as_dict=True, maintain_order=True).items()}
+        return cls(RunRows.of(run, parts.get(run, table.clear())) for run in dict.fromkeys([*runs, *parts]))
 
     @property
     def runs(self) -> list[str]:

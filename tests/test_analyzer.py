@@ -214,6 +214,29 @@ def test_a_sweep_read_a_batch_of_runs_at_a_time_says_what_its_whole_table_says(t
     assert first == {run: ("relu[2]", "dead_fraction", 300) for run in dying}
 
 
+def test_comparing_in_batches_keeps_a_run_on_both_sides_and_an_engines_run_the_metadata_does_not_name(tmp_path):
+    """A resumed seed given among the baselines and as the run compared parts where it died, as it
+    did before batches; DuckDB's rows of a run no metadata names (a trace breaking the spec, which
+    only the Polars analyzer refuses) keep their NaN finding; no baseline left is said, not a crash."""
+    from actrace.analyzer import analyze
+
+    write_run(tmp_path / "s1.parquet", "s1", dead=lambda s: 24 if s >= 300 else 0)
+    write_run(tmp_path / "s2.parquet", "s2")
+    write_run(tmp_path / "s3.parquet", "s3")
+    write_run(tmp_path / "x.parquet", "s1", steps=range(600, 900, 100), dead=lambda s: 24)
+    a = analyze(tmp_path)
+    first = a.compared(["s1", "s2", "s3"], ["s1"]).first["s1"]
+    assert (first.step, first.metric, first.layer) == (300, "dead_fraction", "block2.relu")
+    with pytest.raises(ValueError, match="no baseline left"):
+        a.compared([], ["s1"])
+    write_run(tmp_path / "b.parquet", "b", nan_at=300)
+    t = pq.read_table(tmp_path / "b.parquet")
+    pq.write_table(t.set_column(t.column_names.index("run"), t.schema.field("run"),
+                                pa.array(["renamed"] * len(t), t.schema.field("run").type)), tmp_path / "b.parquet")
+    found = analyze(tmp_path / "b.parquet", engine="duckdb").findings
+    assert [(f.run, f.layer, f.step) for f in found if f.rule == "nan_inf"] == [("renamed", "block3.relu", 300)]
+
+
 def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
