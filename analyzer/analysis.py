@@ -68,6 +68,11 @@ class Analysis:
         """The metrics with `aligned` (a layer key shared across runs) and `x` (analyzer.compare)."""
         return with_keys(self.metrics, self.keys, self.x)
 
+    @cached_property
+    def latest_aligned(self) -> pl.DataFrame:
+        """`latest` with each layer's `aligned` key (what `analyzer.sweep` reads)."""
+        return with_keys(self.latest, self.keys)
+
     def compared(self, baselines: list[str], runs: list[str], **options) -> Diff:
         """`analyzer.diff.diff` of `runs` against `baselines`, a batch of runs at a time (each run is
         compared with the baselines alone)."""

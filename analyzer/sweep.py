@@ -68,6 +68,8 @@ def config_values(runs: list[dict], key: str) -> tuple[dict[str, float], list[st
 
 def sweep(aligned: pl.DataFrame, found: list[Finding], runs: list[dict], key: str,
           slope_limit: float = 0.25) -> Sweep:
+    """Scaling and onsets along `key` from the aligned metrics (or their last readings alone:
+    `Analysis.latest_aligned`), the findings and the runs' configs."""
     values, also = config_values(runs, key)
     scaling = []
     acts = last_reading(aligned.filter(pl.col("stream") == "activation"), "run", "layer").with_columns(

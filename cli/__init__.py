@@ -119,7 +119,7 @@ def cmd_summary(args) -> int:
         from actrace.analyzer.sweep import as_text, sweep
 
         print()
-        print(as_text(sweep(a.aligned, a.findings, a.runs, args.by)), end="")
+        print(as_text(sweep(a.latest_aligned, a.findings, a.runs, args.by)), end="")
     return 0
 
 
@@ -190,7 +190,7 @@ def cmd_sweep(args) -> int:
     from actrace.analyzer.sweep import as_json, as_text, sweep
 
     a = analysis(args)
-    s = sweep(a.aligned, a.findings, a.runs, args.by)
+    s = sweep(a.latest_aligned, a.findings, a.runs, args.by)
     emit(as_text(s) if args.format == "text" else as_json(s), args, f"the sweep over {args.by}")
     return 0
 
