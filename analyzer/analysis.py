@@ -79,16 +79,18 @@ class Analysis:
         baselines = list(dict.fromkeys(baselines))
         if not baselines:
             raise ValueError("no baseline left to compare with (its traces were skipped)")
-        if set(baselines) - set(self.tables.runs):
-            raise ValueError(f"no run {sorted(set(baselines) - set(self.tables.runs))[0]!r} among the traces' runs "
-                             f"to compare with: they are {', '.join(map(str, self.tables.runs))}")
+        missing = sorted(set(baselines) - set(self.tables.runs))
+        if missing:
+            raise ValueError(f"no run {missing[0]!r} among the traces' runs to compare with: they are "
+                             f"{', '.join(map(str, self.tables.runs))}")
 
         def frame(names):
             return with_keys(self.tables.whole(names), self.keys, self.x)
-        base = frame(baselines)
-        return Diff.joined([diff(pl.concat([base, frame(own)]) if (own := [r for r in batch if r not in baselines])
-                                 else base, baselines, batch, **options)
-                            for batch in self.tables.batches(dict.fromkeys(runs))])
+        base, parts = frame(baselines), []
+        for batch in self.tables.batches(dict.fromkeys(runs)):
+            own = [r for r in batch if r not in baselines]  # a run that is also a baseline: its rows are in `base`
+            parts.append(diff(pl.concat([base, frame(own)]) if own else base, baselines, batch, **options))
+        return Diff.joined(parts)
 
     def histograms(self, pairs: list[tuple[str, str]]) -> pl.DataFrame:
         """run, layer, step, hist of the activation readings of the chosen (run, layer) pairs."""
