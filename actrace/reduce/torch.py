@@ -313,9 +313,8 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
-    if not any(_on_device(v) for p in pending for v in p.stats.values()):  # on the host: nothing to batch,
-        return [_finish(p, {k: np.asarray(v).reshape(-1) for k, v in p.stats.items()})  # nor to convert
-                for p in pending]
+    if not any(_on_device(v) for p in pending for v in p.stats.values()):
+        return [_finish(p, dict(p.stats)) for p in pending]  # on the host: nothing to batch, nor to convert
     dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
     flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
     host = torch.cat(flat).cpu().numpy()
@@ -341,7 +340,7 @@ def _finish(p: Pending, v: dict) -> Reading:
     norm = v.pop("update_norm", None)
     return Reading.from_stats(v, shape=p.shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
                               kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,
-                              update_norm=None if norm is None else float(norm[0]))
+                              update_norm=None if norm is None else float(np.asarray(norm).reshape(-1)[0]))
 
 
 def all_reduce(readings: list[Reading], device: torch.device | None = None, groups=(None,)) -> None:

@@ -43,7 +43,21 @@ _MATMUL = {"matmul": 1, "mm": 1, "bmm": 1, "__matmul__": 1, "__rmatmul__": 0, "a
 
 
 def op_name(func) -> str:
-    """A torch function's plain name: `Tensor.__radd__` → `add`, `Tensor.T`'s getter → `T`."""
+    """A torch function's plain name: `Tensor.__radd__` → `add`, `Tensor.T`'s getter → `T`; worked
+    out once per function (every op of every traced forward asks)."""
+    try:
+        return _NAMES[func]
+    except KeyError:
+        name = _NAMES[func] = _plain_name(func)
+        return name
+    except TypeError:  # an unhashable callable
+        return _plain_name(func)
+
+
+_NAMES: dict = {}
+
+
+def _plain_name(func) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", "")
@@ -56,6 +70,13 @@ def op_name(func) -> str:
     if core.startswith("r") and _pointwise(core[1:]):
         return core[1:]
     return core
+
+
+# calls that read a tensor's metadata and change nothing: no event of the trace
+QUERIES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "is_sparse", "is_nested", "is_quantized",
+                     "is_meta", "layout", "requires_grad", "names", "is_leaf", "size", "dim", "numel", "nelement",
+                     "stride", "is_floating_point", "is_complex", "is_contiguous", "element_size", "get_device",
+                     "data_ptr", "storage_offset", "__len__", "has_names"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,12 +121,18 @@ class TensorMap:
 _ABSENT = object()
 
 
-def _tensors(value):
+def _tensors(value) -> list:
+    """The tensors in a value: a tensor, or a tuple or list of them, nested."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
+        return [value]
+    found = []
+    if isinstance(value, (tuple, list)):
         for v in value:
-            yield from _tensors(v)
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif isinstance(v, (tuple, list)):
+                found += _tensors(v)
+    return found
 
 
 def arg(args, kwargs, i: int, name: str, default=None):
@@ -162,11 +189,14 @@ class Axes:
         return self.made.get(t)
 
     def _note_maker(self, name: str, args, out) -> None:
-        kind = _MADE.get(name) or ("conv" if name.startswith("conv") else None)
-        if kind is None and name in _MATMUL:
+        how = _making(name)
+        if how is None:
+            return
+        kind = how if how not in ("matmul", "carry") else None
+        if how == "matmul":
             rhs = args[_MATMUL[name]] if len(args) > _MATMUL[name] else None
             kind = "linear" if isinstance(rhs, torch.Tensor) and rhs not in self.known else None
-        if kind is None and name in _CARRY and args and isinstance(args[0], torch.Tensor):
+        elif how == "carry" and args and isinstance(args[0], torch.Tensor):
             kind = self.made.get(args[0])
         if kind is not None and isinstance(out, torch.Tensor):
             self.made[out] = kind
@@ -175,41 +205,52 @@ class Axes:
         for t in _tensors(out):
             self.known[t] = LOST if axis is None or not t.ndim else axis % t.ndim
 
-    def follow(self, func, args, kwargs, out) -> None:
-        """Tag the output(s) of `func(*args, **kwargs)` with their unit axis."""
-        name = op_name(func)
+    def follow(self, name: str, args, kwargs, out) -> None:
+        """Tag the output(s) of the op `name` called on `args`, `kwargs` with their unit axis."""
+        rule = _rule(name)
         self._note_maker(name, args, out)
-        if name in _LAST:
+        if rule == "last":
             outs = out[:1] if name == "multi_head_attention_forward" else out
             return self.set(outs, -1)
-        if _CHANNELS.match(name):
+        if rule == "channels":
             out = out[0] if isinstance(out, tuple) else out
             spatial = re.search(r"(\d)d", name)
             return self.set(out, self.channels(out, (int(spatial[1]),)) if spatial else 1)
-        if name in ("softmax", "log_softmax", "softmin"):  # units: the axis it normalizes (spec §Units)
+        if rule == "softmax":  # units: the axis it normalizes (spec §Units)
             dim = arg(args, kwargs, 1, "dim")
             return self.set(out, dim if isinstance(dim, int) else LOST)
-        seen = [(t, self.known[t]) for t in _tensors(list(args) + list(kwargs.values())) if t in self.known]
-        if name in _MATMUL:
+        if rule == "matmul":
             return self.set(out, self._matmul(args[_MATMUL[name]] if len(args) > _MATMUL[name] else None))
-        if name == "einsum":
+        if rule == "einsum":
             return self.set(out, self._einsum(args))
+        seen = self._seen(args, kwargs)
         if not seen:
             return None  # nothing known flowed in: the output stays unknown, not lost
-        if name in _KEEP or _pointwise(name):
+        if rule == "keep":
             return self.set(out, _broadcast(seen, out))
         x, axis = seen[0]
         if axis is LOST:
             return self.set(out, LOST)
-        if name in _RESHAPE:
+        if rule == "reshape":
             return self.set(out, follow_reshape(x.shape, axis, out.shape))
-        if name in ("permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT", "mH", "movedim", "moveaxis"):
+        if rule == "permute":
             return self.set(out, _permuted(name, x.ndim, axis, args[1:], kwargs))
-        if name in _REDUCE and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+        if rule == "reduce" and not any(isinstance(a, torch.Tensor) for a in args[1:]):
             return self.set(out[0] if isinstance(out, tuple) else out, _reduced(x.ndim, axis, args[1:], kwargs))
-        if name in ("cat", "concat", "concatenate", "stack", "unbind", "select", "__getitem__"):
+        if rule == "indexed":
             return self.set(out, _indexed(name, x, axis, seen, args, kwargs))
         return self.set(out, LOST)
+
+    def _seen(self, args, kwargs) -> list:
+        """(tensor, unit axis) of the call's inputs whose axis is known (LOST included)."""
+        get, seen = self.known.get, []
+        for t in _tensors(args):
+            axis = get(t, _ABSENT)
+            if axis is not _ABSENT:
+                seen.append((t, axis))
+        if kwargs:
+            seen += [(t, axis) for t in _tensors(list(kwargs.values())) if (axis := get(t, _ABSENT)) is not _ABSENT]
+        return seen
 
     def _einsum(self, args) -> int | None:
         """An einsum with one weight (a parameter, else the one operand with no history): units are
@@ -239,6 +280,41 @@ class Axes:
             return -1
         axis = self.known[rhs]
         return -1 if axis is not LOST and axis == rhs.ndim - 1 else LOST
+
+
+@functools.lru_cache(maxsize=None)
+def _making(name: str) -> str | None:
+    """How an op may make a layer's output (`Axes.made`): the kind it makes, "matmul" (a linear
+    if its right operand is a weight), "carry" (its input's maker, through reshapes), or None."""
+    if name in _MADE or name.startswith("conv"):
+        return _MADE.get(name, "conv")
+    return "matmul" if name in _MATMUL else "carry" if name in _CARRY else None
+
+
+@functools.lru_cache(maxsize=None)
+def _rule(name: str) -> str:
+    """Which of `Axes.follow`'s rules an op's output takes, by its name."""
+    if name in _LAST:
+        return "last"
+    if _CHANNELS.match(name):
+        return "channels"
+    if name in ("softmax", "log_softmax", "softmin"):
+        return "softmax"
+    if name in _MATMUL:
+        return "matmul"
+    if name == "einsum":
+        return "einsum"
+    if name in _KEEP or _pointwise(name):
+        return "keep"
+    if name in _RESHAPE:
+        return "reshape"
+    if name in ("permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT", "mH", "movedim", "moveaxis"):
+        return "permute"
+    if name in _REDUCE:
+        return "reduce"
+    if name in ("cat", "concat", "concatenate", "stack", "unbind", "select", "__getitem__"):
+        return "indexed"
+    return "other"
 
 
 def _einsum_parts(args) -> tuple[list[str], str, list] | None:

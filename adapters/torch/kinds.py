@@ -6,6 +6,7 @@ timm's `Swish`) by a class name that says the activation it is; functional calls
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -100,7 +101,12 @@ def function_kind(name: str, args: tuple, kwargs: dict) -> tuple[str, tuple[floa
             else (_arg(args, kwargs, 1, "min"), None if base == "clamp_min" else _arg(args, kwargs, 2, "max"))
         numbers = all(v is None or isinstance(v, (int, float)) for v in (lo, hi))
         return clamp_kind(lo, hi) if numbers else None  # a clamp to tensors is elementwise: a guard
-    kind = activation_kind(base)
+    return _activation(base)
+
+
+@functools.lru_cache(maxsize=None)
+def _activation(name: str) -> tuple[str, None] | None:
+    kind = activation_kind(name)
     return (kind, None) if kind else None
 
 

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from actrace.format.schema import ATTENTION_KINDS, LOGIT_KINDS, PER_UNIT_KINDS, ROUTER_KINDS
 
 from . import derived, interfaces
-from .axes import LOST, Axes, arg, op_name
+from .axes import LOST, QUERIES, Axes, arg, op_name
 from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bounds, module_kind, routes
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
@@ -118,6 +118,9 @@ class _Frame:
         self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
 
 
+DERIVED_OPS = frozenset({"scaled_dot_product_attention", "softmax", "topk"})  # `_derived_of_call`'s
+
+
 class ForwardTrace(TorchFunctionMode):
     """Active around forwards of `model`: calls `sink(Output)` for every reading that
     `wanted(name, module)` selects, in forward order. Names count every reading, selected or not,
@@ -176,13 +179,19 @@ class ForwardTrace(TorchFunctionMode):
         if self._busy:
             return func(*args, **kwargs)
         name = op_name(func)
-        source = self._before(name in ("relu", "relu_"), args)  # before the call: it may change the open tensor
-        out = func(*args, **kwargs)
-        if not isinstance(out, (torch.Tensor, tuple, list)):
-            return out
+        if name in QUERIES:  # metadata: changes nothing, so no event
+            out = func(*args, **kwargs)
+            if not isinstance(out, (torch.Tensor, tuple, list)):
+                return out
+            source = self._before(False, args)
+        else:
+            source = self._before(name in ("relu", "relu_"), args)  # before the call: it may change the open tensor
+            out = func(*args, **kwargs)
+            if not isinstance(out, (torch.Tensor, tuple, list)):
+                return out
         self._busy = True
         try:
-            self.axes.follow(func, args, kwargs, out)
+            self.axes.follow(name, args, kwargs, out)
             if self.shards is not None:
                 self.shards.follow(name, args, kwargs, out)
             if source is not None:
@@ -191,7 +200,7 @@ class ForwardTrace(TorchFunctionMode):
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
                 self._functional(frame, *found, out)
-            if not torch.is_grad_enabled() and frame is not None:
+            if name in DERIVED_OPS and frame is not None and not torch.is_grad_enabled():
                 self._derived_of_call(frame, name, args, kwargs, out)
         finally:
             self._busy = False
