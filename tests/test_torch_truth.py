@@ -259,6 +259,58 @@ def test_an_axis_that_cannot_be_followed_is_one_unit_and_said_once(tmp_path):
                    unit_axes={"*.tanh": 3}).close() is not None
 
 
+def traced() -> bool:
+    """Whether the torch calls made here reach a trace."""
+    return bool(torch.overrides._get_current_function_mode_stack())
+
+
+class MovesUnits(nn.Module):
+    """A parameter-free leaf of many ops (no reading of its own) that moves the units to axis 1."""
+
+    def forward(self, x):
+        self.seen.append(traced())
+        return ((x * 2.0 - x) / 1.0 + 0.0).transpose(1, 2).contiguous()
+
+
+class Stash(nn.Module):
+    """A leaf that keeps a tensor it made besides its output, as a cache does."""
+
+    def forward(self, x):
+        self.seen.append(traced())
+        self.kept = x.transpose(1, 2) * 1.0
+        return x + 0.0
+
+
+class Leaves(nn.Module):
+    def __init__(self, leaf: nn.Module):
+        super().__init__()
+        self.fc, self.leaf = nn.Linear(6, 6), leaf
+
+    def forward(self, x):
+        h = self.leaf(self.fc(x))
+        return F.relu(self.leaf.kept if isinstance(self.leaf, Stash) else h)
+
+
+@pytest.mark.parametrize("leaf", [MovesUnits, Stash])
+def test_a_quiet_leaf_runs_untraced_after_the_first_pass_and_reads_as_when_traced(tmp_path, leaf):
+    """The trace learns a leaf whose insides take no reading and replays its outputs' axes (its
+    ops untraced from the trial's second pass on); a leaf whose made tensor escapes (`Stash`)
+    reads otherwise replayed, so the trial drops the plan and everything stays traced."""
+    torch.manual_seed(0)
+    model = Leaves(leaf())
+    model.leaf.seen = []
+    kill(model.fc.bias, 2)
+    with Monitor(model, torch.randn(4, 5, 6), tmp_path / "q.parquet", grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    table = actrace.read_table(tmp_path / "q.parquet").to_pylist()
+    relu = [r for r in table if r["layer"] == "relu" and r["stream"] == "activation"]
+    assert [(r["unit_axis"], r["units"]) for r in relu] == [(1, 6)] * 3  # T = 5, C = 6: only construction tells
+    assert dead(tmp_path / "q.parquet", "relu") == [2 / 6] * 3
+    # the trial's two passes (a third, traced, where the second read otherwise), then three readings
+    assert model.leaf.seen == ([True, False] + [False] * 3 if leaf is MovesUnits else [True, False, True] + [True] * 3)
+
+
 class Attention(nn.Module):
     """Scores of normalized queries against themselves, times `sharp`. The queries of the six
     positions are near-orthogonal (one-hot inputs, identity weights), so each query's own key

@@ -184,6 +184,18 @@ class Axes:
         """Channels of a conv or pool output: axis 1 batched, 0 unbatched (`[C, L]`)."""
         return {spatial[0] + 2: 1, spatial[0] + 1: 0}.get(t.ndim, LOST)
 
+    def state(self, t: torch.Tensor) -> tuple:
+        """What is known of `t` (its unit axis, or that nothing is; its maker), to give another
+        tensor that stands where `t` stood (`restore`)."""
+        return self.known.get(t, _ABSENT), self.made.get(t)
+
+    def restore(self, t: torch.Tensor, state: tuple) -> None:
+        axis, made = state
+        if axis is not _ABSENT:
+            self.known[t] = axis
+        if made is not None:
+            self.made[t] = made
+
     def made_by(self, t: torch.Tensor) -> str | None:
         """The kind of layer op (linear, conv, norm, embedding) that made `t`, through reshapes."""
         return self.made.get(t)

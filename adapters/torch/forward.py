@@ -34,7 +34,7 @@ class ProbeForward:
         self.runner = runner or model  # what a probe forward calls: `model`, or a wrapper that must run (FSDP1)
         self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
         self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
-        self.trace = ForwardTrace(model, self._read, wanted, heads, split is not None)
+        self.trace = ForwardTrace(model, self._read, wanted, heads, split is not None, replay=pipeline is None)
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, Pending, object]] = []  # and the slice of units it holds (`shards`)
 
@@ -139,30 +139,19 @@ class ProbeForward:
 
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
         """Run the first probe chunk twice: (mode, the names in forward order); mode 'train' if the
-        two passes differ. `selection` describes the include/exclude/types given, if any."""
-        passes, seen, order = [], [], []
-
-        def note(o: Output) -> None:
-            seen.append((o, _signature(o.tensor)))
-            o.tensor = o.tensor.ndim  # the ndim is all the check below needs: activations are not held
-        trace = ForwardTrace(self.model, note, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
-                             self.split is not None)
-        for _ in range(2):
-            seen.clear()
-            try:
-                with self.evaluation(), trace:
-                    result = self.call(self.probe.first_chunk(self.chunk), trace)
-            except Exception as e:  # the model's own error, whatever it is
-                first = (str(e).strip().splitlines() or [""])[0]
-                hint = "; a dict probe is passed as keyword arguments: give (probe,) to pass it as one argument" \
-                    if isinstance(self.probe.value, dict) and "keyword argument" in first else ""
-                raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
-                                 f"{type(e).__name__}: {first}{hint}") from e
-            passes.append([(o.name, s) for o, s in seen if o.name] +
-                          [(f"output{k}", _signature(t)) for k, t in output_tensors(result)])
+        two passes differ. `selection` describes the include/exclude/types given, if any. The
+        second pass replays the quiet leaves the first learned (`ForwardTrace.plan`): the plan is
+        kept for the readings only if it read every layer as the first pass did."""
+        trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
+                             self.split is not None, replay=self.trace.plan is not None)
+        first, _ = self._pass(trace)
+        second, seen = self._pass(trace)
+        if trace.plan and [a[:3] for a in first] != [b[:3] for b in second]:
+            trace.plan = None  # a leaf's insides mattered after all (a tensor it made escaped): trace them
+            second, seen = self._pass(trace)
+        self.trace.plan = trace.plan
         order = list(dict.fromkeys(o.name for o, _ in seen if o.name))
-        first, second = passes
-        differ = next((a for a, b in zip(first, second) if not _same(a[1], b[1])), None)
+        differ = next((a for a, b in zip(first, second) if not _same(a[3], b[3])), None)
         steady = steady_everywhere = differ is None and len(first) == len(second)
         if self.pipeline is not None:  # the whole model's names, in stage order; 'train' if any stage's differ
             order, steady_everywhere = self.pipeline.order(order, steady)
@@ -178,6 +167,27 @@ class ProbeForward:
                       f"some module ignores eval() (a custom dropout or noise{': ' + ', '.join(kinds) if kinds else ''}),"
                       f" so readings measure its randomness; they are marked mode=train", stacklevel=3)
         return "train", order
+
+    def _pass(self, trace: ForwardTrace) -> tuple[list, list]:
+        """One traced forward of the first probe chunk: (name, unit axis, kind, value signature) of
+        every reading and model output, and (Output, signature) of each reading."""
+        seen = []
+
+        def note(o: Output) -> None:
+            seen.append((o, _signature(o.tensor)))
+            o.tensor = o.tensor.ndim  # the ndim is all the checks need: activations are not held
+        trace.sink = note
+        try:
+            with self.evaluation(), trace:
+                result = self.call(self.probe.first_chunk(self.chunk), trace)
+        except Exception as e:  # the model's own error, whatever it is
+            first = (str(e).strip().splitlines() or [""])[0]
+            hint = "; a dict probe is passed as keyword arguments: give (probe,) to pass it as one argument" \
+                if isinstance(self.probe.value, dict) and "keyword argument" in first else ""
+            raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
+                             f"{type(e).__name__}: {first}{hint}") from e
+        return [(o.name, o.axis, o.kind, s) for o, s in seen if o.name] + \
+            [(f"output{k}", None, None, _signature(t)) for k, t in output_tensors(result)], seen
 
     def _say_unread(self, order: list[str], selection: str | None, seen) -> None:
         """Once, at the first pass: a selection that matches nothing, and unit axes not followed."""

@@ -16,10 +16,13 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   flash: `_torch_interfaces`), per position of the LM head, per expert of a router's top-k;
 - repeated names in one forward get `#2`, `#3`, ...
 Each tensor is read the moment it is made, before any in-place change. Unit axes come from
-`_torch_axes.Axes`.
+`_torch_axes.Axes`. A leaf module whose insides took no reading when last called so runs untraced
+in later probe forwards, its outputs' axes as learned (`ForwardTrace.plan`; the probe's trial
+checks the replay reads every layer as tracing does).
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import warnings
 from dataclasses import dataclass, fields, is_dataclass
@@ -109,13 +112,16 @@ class Output:
 
 
 class _Frame:
-    __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source")
+    __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source", "key", "replay", "events")
 
     def __init__(self, path, module, kind, leaf):
         self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
         self.paused = False  # an opaque module, run with the trace's mode off
         self.source = None   # an opaque ReLU's input, whose pass gives its reading
         self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
+        self.key = None      # a quiet leaf's call (`ForwardTrace.plan`): learned at its exit, or replayed
+        self.replay = None   # what its outputs are known as, replayed: its insides run untraced
+        self.events = 0      # the trace's count of events when it was entered
 
 
 DERIVED_OPS = frozenset({"scaled_dot_product_attention", "softmax", "topk"})  # `_derived_of_call`'s
@@ -127,7 +133,8 @@ class ForwardTrace(TorchFunctionMode):
     so they are the model's whatever the selection. A reading a wrapper module takes over after
     the sink saw it is renamed in place (`Output.name`), or set to None when not selected."""
 
-    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True, heads=(), split=False):
+    def __init__(self, model: torch.nn.Module, sink, wanted=lambda name, module: True, heads=(), split=False,
+                 replay=False):
         super().__init__()
         self.split = split  # tensor parallel: the slices of units each local tensor holds are followed (`shards`)
         self.shards = Shards() if split else None
@@ -138,6 +145,12 @@ class ForwardTrace(TorchFunctionMode):
         self.paths = {m: module_path(n) for n, m in model.named_modules() if m not in inside}
         self.kinds = {m: module_kind(m) for m in self.paths}
         self.leaves = {m for m in self.paths if not any(True for _ in m.children())}
+        # `replay`: a leaf module whose insides gave no event last time it was called so (no name
+        # taken, no ReLU pass shared) runs untraced, its outputs' axes and makers as learned then:
+        # the per-op cost of its insides paid once, not at every probe reading (`plan`)
+        self.plan: dict | None = {} if replay and not split else None
+        self.quiet = {m for m in self.leaves if type(m) not in OPAQUE and type(m) not in RECURRENT}
+        self.events = 0  # names taken and ReLU passes shared, so far
         self.heads = output_heads(model, self.paths, heads)
         self.axes = Axes()
         self.stack: list[_Frame] = []
@@ -147,6 +160,9 @@ class ForwardTrace(TorchFunctionMode):
         self._hooks, self._paused = [], []
         self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
         self._inside_interface = 0  # calls of such an implementation running: their scores are read already
+        # our own torch calls between the model's (readings, derived): not dispatched through this
+        # mode, unless a tensor subclass must see them (tensor parallel's DTensors)
+        self._own = contextlib.nullcontext if split else torch._C.DisableTorchFunction
         self.open: Output | None = None   # the newest layer output, sunk at the next event
         self.relu: tuple | None = None    # (relu's output tensor, the Output whose pass gives its reading)
 
@@ -196,6 +212,7 @@ class ForwardTrace(TorchFunctionMode):
                 self.shards.follow(name, args, kwargs, out)
             if source is not None:
                 self.relu = (out, source)
+                self.events += 1
             found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
@@ -221,7 +238,8 @@ class ForwardTrace(TorchFunctionMode):
             opened, self.open = self.open, None
             busy, self._busy = self._busy, True
             try:
-                self.sink(opened)
+                with self._own():
+                    self.sink(opened)
             finally:
                 self._busy = busy
 
@@ -297,7 +315,8 @@ class ForwardTrace(TorchFunctionMode):
                     k: kwargs[k] for k in ("scaling", "softcap", "sliding_window", "is_causal", "s_aux") if k in kwargs})
             self._busy = True
             try:
-                self._derive(frame.path, frame.module, ATTENTION_KINDS, lambda: derived.attention(logits()))
+                with self._own():
+                    self._derive(frame.path, frame.module, ATTENTION_KINDS, lambda: derived.attention(logits()))
             finally:
                 self._busy = False
         self._inside_interface += 1
@@ -336,6 +355,7 @@ class ForwardTrace(TorchFunctionMode):
         n = self.calls.get(base, 0) + 1
         if take:
             self.calls[base] = n
+            self.events += 1
         return base if n == 1 else f"{base}#{n}"
 
     def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False) -> Output:
@@ -359,10 +379,33 @@ class ForwardTrace(TorchFunctionMode):
         if module in self.paths and not self._busy:
             frame = _Frame(self.paths[module], module, self.kinds[module], module in self.leaves)
             self.stack.append(frame)
-            if type(module) in OPAQUE and overrides._get_current_function_mode() is self:
+            if overrides._get_current_function_mode() is not self:
+                return
+            if type(module) in OPAQUE:
                 # read only at its output: run its insides untraced (on their fast paths), as an op
                 frame.source = self._before(type(module) is torch.nn.ReLU, inputs)
                 frame.paused = overrides._pop_mode() is self
+            elif self.plan is not None and module in self.quiet:
+                frame.key = self._call_key(module, inputs)
+                frame.replay = self.plan.get(frame.key)
+                frame.events = self.events
+                if frame.replay is not None:
+                    self._before(False, inputs)
+                    frame.paused = overrides._pop_mode() is self
+
+    def _call_key(self, module, inputs) -> tuple | None:
+        """A leaf's call as its insides see it: its positional inputs (tensors by shape, dtype, unit
+        axis and maker; plain values as they are) and whether gradients are on; None if an input is
+        anything else (an object whose state its forward may read)."""
+        key = [module, torch.is_grad_enabled()]
+        for v in inputs:
+            if isinstance(v, torch.Tensor):
+                key.append((tuple(v.shape), v.dtype, self.axes.state(v)))
+            elif v is None or isinstance(v, (bool, int, float, str)):
+                key.append(v)
+            else:
+                return None
+        return tuple(key)
 
     def _exit_module(self, module, inputs, *rest):
         # (kwargs, output); torch calls an always_call hook without kwargs after a forward raised
@@ -381,23 +424,47 @@ class ForwardTrace(TorchFunctionMode):
         frame = self.stack.pop()
         if frame.paused:
             overrides._push_mode(self)
-            self._opaque_output(frame, inputs, output)
+            if frame.replay is not None:
+                self._replayed(frame, kwargs, output)
+            else:
+                self._opaque_output(frame, inputs, output)
+        elif frame.key is not None and self.events == frame.events and \
+                not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            self.plan[frame.key] = [self.axes.state(t) for _, t in output_tensors(output)]
         self._busy = True
         try:
-            probe = not torch.is_grad_enabled()
-            if type(module) in RECURRENT and probe and isinstance(output, tuple):
-                self._recurrent(frame, inputs, kwargs, output)
-            else:
-                self._module_output(frame, output)
-            if probe and isinstance(module, torch.nn.MultiheadAttention):
-                self._derive(frame.path, module, ATTENTION_KINDS,
-                             lambda: derived.attention(derived.mha_logits(module, inputs, kwargs)))
-            logits = next((t for _, t in output_tensors(output) if t.is_floating_point()), None) \
-                if probe and module in self.heads else None
-            if logits is not None:
-                self._derive(frame.path, module, LOGIT_KINDS, lambda: derived.output_logits(logits))
+            with self._own():
+                self._module_readings(frame, inputs, kwargs, output)
         finally:
             self._busy = False
+
+    def _module_readings(self, frame: _Frame, inputs, kwargs, output) -> None:
+        """A module's readings at its exit: its output(s), a recurrent module's parts, and in a probe
+        forward the derived readings of an `nn.MultiheadAttention` and of a vocabulary head."""
+        module, probe = frame.module, not torch.is_grad_enabled()
+        if type(module) in RECURRENT and probe and isinstance(output, tuple):
+            self._recurrent(frame, inputs, kwargs, output)
+        else:
+            self._module_output(frame, output)
+        if probe and isinstance(module, torch.nn.MultiheadAttention):
+            self._derive(frame.path, module, ATTENTION_KINDS,
+                         lambda: derived.attention(derived.mha_logits(module, inputs, kwargs)))
+        logits = next((t for _, t in output_tensors(output) if t.is_floating_point()), None) \
+            if probe and module in self.heads else None
+        if logits is not None:
+            self._derive(frame.path, module, LOGIT_KINDS, lambda: derived.output_logits(logits))
+
+    def _replayed(self, frame: _Frame, kwargs, output) -> None:
+        """A quiet leaf run untraced: its outputs' axes and makers as learned. A call the plan did
+        not foresee (tensors given by keyword, other outputs) leaves its outputs' axes lost (read
+        as one unit, never guessed) and is traced again next time."""
+        outputs = [t for _, t in output_tensors(output)]
+        if len(outputs) != len(frame.replay) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            del self.plan[frame.key]
+            self.axes.set(outputs, None)
+            return
+        for t, state in zip(outputs, frame.replay):
+            self.axes.restore(t, state)
 
     def _opaque_output(self, frame: _Frame, inputs, output) -> None:
         """An opaque module's output axis (its own rule, or its input's for elementwise ones) and
