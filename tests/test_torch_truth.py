@@ -311,6 +311,49 @@ def test_a_quiet_leaf_runs_untraced_after_the_first_pass_and_reads_as_when_trace
     assert model.leaf.seen == ([True, False] + [False] * 3 if leaf is MovesUnits else [True, False, True] + [True] * 3)
 
 
+class Block(nn.Module):
+    """A module of modules and ops that read nothing themselves: units moved to axis 1 by an op
+    between two modules (two of six killed), then changed in place; with `attend`, an SDPA of all-zero queries
+    whose two heads attend the five positions uniformly (entropy ln 5 over ln 5, sink mass 1/5)."""
+
+    def __init__(self, attend: bool):
+        super().__init__()
+        self.fc, self.relu, self.out, self.attend = nn.Linear(6, 6), nn.ReLU(), nn.Tanh(), attend
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(traced())
+        h = self.relu(self.fc(x).transpose(1, 2)).add_(1.0)  # [B, C = 6, T = 5]; read before the add_
+        if self.attend:
+            k = x[:, None, :, :4].expand(-1, 2, -1, -1)
+            h = h + 0.0 * F.scaled_dot_product_attention(torch.zeros_like(k), k, k).sum()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("attend", [False, True])
+def test_a_module_whose_ops_read_nothing_replays_and_its_modules_read_as_when_traced(tmp_path, attend):
+    """After the trial's first pass the model's ops run untraced: its modules' hooks still read
+    them on the unit axis the ops moved them to, and the SDPA inside still gives its derived
+    readings (the trace then sees the ops, but follows none of them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(attend))
+    kill(model[0].fc.bias, 2)
+    with Monitor(model, torch.randn(4, 5, 6), tmp_path / "b.parquet", grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    table = actrace.read_table(tmp_path / "b.parquet").to_pylist()
+    for layer in ("0.relu", "0.out"):
+        got = [(r["unit_axis"], r["units"]) for r in table if r["layer"] == layer and r["stream"] == "activation"]
+        assert got == [(1, 6)] * 3, layer  # T = 5, C = 6: only the transpose tells
+    assert dead(tmp_path / "b.parquet", "0.relu") == [2 / 6] * 3
+    assert model[0].seen == [True] + [attend] * 4  # the trial's two passes, then three readings
+    derived = {(r["layer"], r["step"]): r for r in table if r["layer"].startswith("0.attention")}
+    assert len(derived) == (9 if attend else 0)
+    for (layer, _), r in derived.items():
+        want = 1.0 if layer == "0.attention_entropy" else 1 / 5 if layer == "0.attention_sink" else 0.0
+        assert r["min"] == pytest.approx(want, abs=1e-6) and r["max"] == pytest.approx(want, abs=1e-6), layer
+
+
 class Attention(nn.Module):
     """Scores of normalized queries against themselves, times `sharp`. The queries of the six
     positions are near-orthogonal (one-hot inputs, identity weights), so each query's own key

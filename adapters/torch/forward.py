@@ -140,14 +140,14 @@ class ProbeForward:
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
         """Run the first probe chunk twice: (mode, the names in forward order); mode 'train' if the
         two passes differ. `selection` describes the include/exclude/types given, if any. The
-        second pass replays the quiet leaves the first learned (`ForwardTrace.plan`): the plan is
+        second pass replays the quiet modules the first learned (`ForwardTrace.plan`): the plan is
         kept for the readings only if it read every layer as the first pass did."""
         trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
                              self.split is not None, replay=self.trace.plan is not None)
         first, _ = self._pass(trace)
         second, seen = self._pass(trace)
         if trace.plan and [a[:3] for a in first] != [b[:3] for b in second]:
-            trace.plan = None  # a leaf's insides mattered after all (a tensor it made escaped): trace them
+            trace.plan = None  # a module's insides mattered after all (a tensor it made escaped): trace them
             second, seen = self._pass(trace)
         self.trace.plan = trace.plan
         order = list(dict.fromkeys(o.name for o, _ in seen if o.name))

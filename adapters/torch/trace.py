@@ -16,9 +16,10 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   flash: `_torch_interfaces`), per position of the LM head, per expert of a router's top-k;
 - repeated names in one forward get `#2`, `#3`, ...
 Each tensor is read the moment it is made, before any in-place change. Unit axes come from
-`_torch_axes.Axes`. A leaf module whose insides took no reading when last called so runs untraced
-in later probe forwards, its outputs' axes as learned (`ForwardTrace.plan`; the probe's trial
-checks the replay reads every layer as tracing does).
+`_torch_axes.Axes`. A module whose ops read no activation when last called so runs untraced in
+later probe forwards (`ForwardTrace.plan`): its modules' hooks read their outputs on the axes
+learned then, and its attention and router ops still give their derived readings; the probe's
+trial checks the replay reads every layer as tracing does.
 """
 from __future__ import annotations
 
@@ -112,16 +113,24 @@ class Output:
 
 
 class _Frame:
-    __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source", "key", "replay", "events")
+    __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source", "key", "replay", "events", "exits",
+                 "derived", "inside")
 
     def __init__(self, path, module, kind, leaf):
         self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
         self.paused = False  # an opaque module, run with the trace's mode off
         self.source = None   # an opaque ReLU's input, whose pass gives its reading
         self.last = None  # (tensor, Output, selected under its own name) of a wrapper's last activation
-        self.key = None      # a quiet leaf's call (`ForwardTrace.plan`): learned at its exit, or replayed
-        self.replay = None   # what its outputs are known as, replayed: its insides run untraced
-        self.events = 0      # the trace's count of events when it was entered
+        self.key = None      # a quiet module's call (`ForwardTrace.plan`): learned at its exit, or replayed
+        self.replay = None   # its plan entry (`ForwardTrace.plan`), replayed: its ops run untraced
+        self.events = 0      # the trace's count of op events when it was entered
+        self.exits = 0       # the trace's count of module exits then
+        self.derived = 0     # and of ops that gave derived readings
+        self.inside = 0      # replayed: the exits of the modules inside it so far
+
+
+class _Unknown(Exception):
+    """An input a call key cannot stand for (`ForwardTrace._call_key`)."""
 
 
 DERIVED_OPS = frozenset({"scaled_dot_product_attention", "softmax", "topk"})  # `_derived_of_call`'s
@@ -145,12 +154,18 @@ class ForwardTrace(TorchFunctionMode):
         self.paths = {m: module_path(n) for n, m in model.named_modules() if m not in inside}
         self.kinds = {m: module_kind(m) for m in self.paths}
         self.leaves = {m for m in self.paths if not any(True for _ in m.children())}
-        # `replay`: a leaf module whose insides gave no event last time it was called so (no name
-        # taken, no ReLU pass shared) runs untraced, its outputs' axes and makers as learned then:
-        # the per-op cost of its insides paid once, not at every probe reading (`plan`)
+        # `replay`: a module whose ops gave no event last time it was called so (no activation read,
+        # no ReLU pass shared) runs untraced, the axes and makers of its modules' outputs as learned
+        # then; their hooks still read them, and its derived readings are still taken: the per-op
+        # cost of its insides paid once, not at every probe reading (`plan`: call key → (exits of the
+        # modules inside, in order; its outputs' states; whether an op inside gave derived readings))
         self.plan: dict | None = {} if replay and not split else None
-        self.quiet = {m for m in self.leaves if type(m) not in OPAQUE and type(m) not in RECURRENT}
-        self.events = 0  # names taken and ReLU passes shared, so far
+        self.quiet = {m for m in self.paths if type(m) not in OPAQUE and type(m) not in RECURRENT}
+        self.taken = 0    # names taken so far
+        self.events = 0   # ops that read an activation or shared a ReLU pass, so far
+        self.derived = 0  # ops that gave derived readings, so far
+        self.exits: list[tuple] = []  # (module, its outputs' states) at each module's exit, in order
+        self.region: _Frame | None = None  # the module replayed now
         self.heads = output_heads(model, self.paths, heads)
         self.axes = Axes()
         self.stack: list[_Frame] = []
@@ -168,10 +183,13 @@ class ForwardTrace(TorchFunctionMode):
 
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
+        self.exits, self.region = [], None
         self.shards = Shards() if self.split else None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
                                                               always_call=True)]
+        if self.plan is not None:  # after the global hook, which opened the module's frame: its keyword inputs too
+            self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet]
         self._registry = interfaces.wrap_registry(self._interface)
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
@@ -195,6 +213,15 @@ class ForwardTrace(TorchFunctionMode):
         if self._busy:
             return func(*args, **kwargs)
         name = op_name(func)
+        if self.region is not None:  # a replayed module's op: only its derived readings are taken
+            out = func(*args, **kwargs)
+            if name in DERIVED_OPS:
+                self._busy = True
+                try:
+                    self._derived(name, args, kwargs, out)
+                finally:
+                    self._busy = False
+            return out
         if name in QUERIES:  # metadata: changes nothing, so no event
             out = func(*args, **kwargs)
             if not isinstance(out, (torch.Tensor, tuple, list)):
@@ -205,23 +232,30 @@ class ForwardTrace(TorchFunctionMode):
             out = func(*args, **kwargs)
             if not isinstance(out, (torch.Tensor, tuple, list)):
                 return out
-        self._busy = True
+        self._busy, taken = True, self.taken
         try:
             self.axes.follow(name, args, kwargs, out)
             if self.shards is not None:
                 self.shards.follow(name, args, kwargs, out)
             if source is not None:
                 self.relu = (out, source)
-                self.events += 1
             found = function_kind(name, args, kwargs) if isinstance(out, torch.Tensor) else None
             frame = self.stack[-1] if self.stack else None
             if found and out.is_floating_point() and not (frame and frame.kind in ACTIVATIONS):
                 self._functional(frame, *found, out)
-            if name in DERIVED_OPS and frame is not None and not torch.is_grad_enabled():
-                self._derived_of_call(frame, name, args, kwargs, out)
+            self.events += source is not None or self.taken != taken
+            if name in DERIVED_OPS:
+                self._derived(name, args, kwargs, out)
         finally:
             self._busy = False
         return out
+
+    def _derived(self, name: str, args, kwargs, out) -> None:
+        """An op that may give derived readings, in a probe forward: under the scope it runs in."""
+        frame = self.stack[-1] if self.stack else None
+        if frame is not None and not torch.is_grad_enabled():
+            self.derived += 1
+            self._derived_of_call(frame, name, args, kwargs, out)
 
     def _before(self, relu: bool, args) -> Output | None:
         """Sink the open output before any op runs; if the op is a ReLU of exactly that tensor, the
@@ -355,7 +389,7 @@ class ForwardTrace(TorchFunctionMode):
         n = self.calls.get(base, 0) + 1
         if take:
             self.calls[base] = n
-            self.events += 1
+            self.taken += 1
         return base if n == 1 else f"{base}#{n}"
 
     def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False) -> Output:
@@ -366,7 +400,7 @@ class ForwardTrace(TorchFunctionMode):
         if self.relu is not None and self.relu[0] is t:
             out.relu_of = self.relu[1]
         self._flush()
-        if defer:
+        if defer and self.region is None:  # a replayed module's ops do not flush it: read now
             self.open = out
         else:
             self.sink(out)
@@ -383,29 +417,44 @@ class ForwardTrace(TorchFunctionMode):
                 return
             if type(module) in OPAQUE:
                 # read only at its output: run its insides untraced (on their fast paths), as an op
-                frame.source = self._before(type(module) is torch.nn.ReLU, inputs)
+                frame.source = self._before(type(module) is torch.nn.ReLU and self.region is None, inputs)
                 frame.paused = overrides._pop_mode() is self
-            elif self.plan is not None and module in self.quiet:
-                frame.key = self._call_key(module, inputs)
-                frame.replay = self.plan.get(frame.key)
-                frame.events = self.events
-                if frame.replay is not None:
-                    self._before(False, inputs)
-                    frame.paused = overrides._pop_mode() is self
+                self.events += frame.source is not None
 
-    def _call_key(self, module, inputs) -> tuple | None:
-        """A leaf's call as its insides see it: its positional inputs (tensors by shape, dtype, unit
-        axis and maker; plain values as they are) and whether gradients are on; None if an input is
-        anything else (an object whose state its forward may read)."""
-        key = [module, torch.is_grad_enabled()]
-        for v in inputs:
+    def _enter_quiet(self, module, args, kwargs):
+        """A quiet module's call (its frame just opened): replayed if the plan knows it, else
+        traced and, if its ops give no event, learned at its exit."""
+        frame = self.stack[-1] if self.stack else None
+        if frame is None or frame.module is not module or self._busy or self.region is not None or \
+                overrides._get_current_function_mode() is not self:
+            return None
+        with self._own():  # its inputs' shapes and dtypes: no op of the model's
+            frame.key = self._call_key(module, args, kwargs)
+        frame.replay = self.plan.get(frame.key)
+        frame.events, frame.exits, frame.derived = self.events, len(self.exits), self.derived
+        if frame.replay is not None:
+            self._before(False, args)
+            self.region = frame
+            if not frame.replay[2]:  # no op inside gives a derived reading: none need be seen
+                frame.paused = overrides._pop_mode() is self
+        return None
+
+    def _call_key(self, module, args, kwargs) -> tuple | None:
+        """A module's call as its insides see it: its inputs (tensors by shape, dtype, unit axis and
+        maker; plain values as they are; tuples and lists of these) and whether gradients are on;
+        None if an input is anything else (an object whose state its forward may read)."""
+        def sign(v):
             if isinstance(v, torch.Tensor):
-                key.append((tuple(v.shape), v.dtype, self.axes.state(v)))
-            elif v is None or isinstance(v, (bool, int, float, str)):
-                key.append(v)
-            else:
-                return None
-        return tuple(key)
+                return tuple(v.shape), v.dtype, self.axes.state(v)
+            if v is None or isinstance(v, (bool, int, float, str)):
+                return v
+            if isinstance(v, (tuple, list)):
+                return type(v), tuple(sign(x) for x in v)
+            raise _Unknown
+        try:
+            return module, torch.is_grad_enabled(), sign(args), tuple((k, sign(v)) for k, v in kwargs.items())
+        except _Unknown:
+            return None
 
     def _exit_module(self, module, inputs, *rest):
         # (kwargs, output); torch calls an always_call hook without kwargs after a forward raised
@@ -422,15 +471,20 @@ class ForwardTrace(TorchFunctionMode):
         if not self.stack:
             return
         frame = self.stack.pop()
+        outputs = [t for _, t in output_tensors(output)]
         if frame.paused:
             overrides._push_mode(self)
-            if frame.replay is not None:
-                self._replayed(frame, kwargs, output)
-            else:
-                self._opaque_output(frame, inputs, output)
-        elif frame.key is not None and self.events == frame.events and \
-                not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-            self.plan[frame.key] = [self.axes.state(t) for _, t in output_tensors(output)]
+        if frame is self.region:
+            self._replayed(frame, outputs)
+        elif self.region is not None:
+            self._replayed_inside(frame, outputs)
+        elif frame.paused:
+            self._opaque_output(frame, inputs, output)
+        elif frame.key is not None and self.events == frame.events:
+            self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
+                                    self.derived != frame.derived)
+        if self.plan is not None:
+            self.exits.append((frame.module, [self.axes.state(t) for t in outputs]))
         self._busy = True
         try:
             with self._own():
@@ -454,16 +508,31 @@ class ForwardTrace(TorchFunctionMode):
         if logits is not None:
             self._derive(frame.path, module, LOGIT_KINDS, lambda: derived.output_logits(logits))
 
-    def _replayed(self, frame: _Frame, kwargs, output) -> None:
-        """A quiet leaf run untraced: its outputs' axes and makers as learned. A call the plan did
-        not foresee (tensors given by keyword, other outputs) leaves its outputs' axes lost (read
-        as one unit, never guessed) and is traced again next time."""
-        outputs = [t for _, t in output_tensors(output)]
-        if len(outputs) != len(frame.replay) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    def _replayed_inside(self, frame: _Frame, outputs: list) -> None:
+        """A module that ran inside the one replayed: its outputs' axes and makers as learned, for
+        its hooks to read them by. Where the modules inside ran otherwise than learned, the outputs
+        of this one and those after it are lost (read as one unit, never guessed)."""
+        region, k = self.region, self.region.inside
+        exits = region.replay[0]
+        region.inside += 1
+        if k < len(exits) and exits[k][0] is frame.module and len(exits[k][1]) == len(outputs):
+            for t, state in zip(outputs, exits[k][1]):
+                self.axes.restore(t, state)
+        else:
+            region.inside = len(exits) + 1  # off the plan from here on
+            self.axes.set(outputs, None)
+
+    def _replayed(self, frame: _Frame, outputs: list) -> None:
+        """A quiet module run untraced: its outputs' axes and makers as learned. A call the plan
+        did not foresee (other outputs, other modules inside) leaves its outputs' axes lost (read as
+        one unit, never guessed) and is traced again next time."""
+        self.region = None
+        exits, states, _ = frame.replay
+        if frame.inside != len(exits) or len(outputs) != len(states):
             del self.plan[frame.key]
             self.axes.set(outputs, None)
             return
-        for t, state in zip(outputs, frame.replay):
+        for t, state in zip(outputs, states):
             self.axes.restore(t, state)
 
     def _opaque_output(self, frame: _Frame, inputs, output) -> None:
