@@ -100,7 +100,8 @@ class ProbeForward:
                 yield
         finally:
             for m, training in modes:
-                m.training = training
+                if m.training != training:  # nn.Module's own attribute setter is slow: only where it changed
+                    m.training = training
             reshard(self.runner)
 
     def call(self, chunk, trace: ForwardTrace):

@@ -164,7 +164,8 @@ class ForwardTrace(TorchFunctionMode):
         self.taken = 0    # names taken so far
         self.events = 0   # ops that read an activation or shared a ReLU pass, so far
         self.derived = 0  # ops that gave derived readings, so far
-        self.exits: list[tuple] = []  # (module, its outputs' states) at each module's exit, in order
+        self.exits: list[tuple] = []  # (module, its outputs' states) at each module's exit while one learns
+        self.learning = 0  # frames on the stack whose call is being learned
         self.region: _Frame | None = None  # the module replayed now
         self.heads = output_heads(model, self.paths, heads)
         self.axes = Axes()
@@ -183,7 +184,7 @@ class ForwardTrace(TorchFunctionMode):
 
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
-        self.exits, self.region = [], None
+        self.exits, self.region, self.learning = [], None, 0
         self.shards = Shards() if self.split else None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
@@ -437,6 +438,8 @@ class ForwardTrace(TorchFunctionMode):
             self.region = frame
             if not frame.replay[2]:  # no op inside gives a derived reading: none need be seen
                 frame.paused = overrides._pop_mode() is self
+        elif frame.key is not None:
+            self.learning += 1
         return None
 
     def _call_key(self, module, args, kwargs) -> tuple | None:
@@ -480,10 +483,12 @@ class ForwardTrace(TorchFunctionMode):
             self._replayed_inside(frame, outputs)
         elif frame.paused:
             self._opaque_output(frame, inputs, output)
-        elif frame.key is not None and self.events == frame.events:
-            self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
-                                    self.derived != frame.derived)
-        if self.plan is not None:
+        elif frame.key is not None:
+            self.learning -= 1
+            if self.events == frame.events:
+                self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
+                                        self.derived != frame.derived)
+        if self.learning:
             self.exits.append((frame.module, [self.axes.state(t) for t in outputs]))
         self._busy = True
         try:
