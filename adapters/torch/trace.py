@@ -158,7 +158,8 @@ class ForwardTrace(TorchFunctionMode):
         # no ReLU pass shared) runs untraced, the axes and makers of its modules' outputs as learned
         # then; their hooks still read them, and its derived readings are still taken: the per-op
         # cost of its insides paid once, not at every probe reading (`plan`: call key → (exits of the
-        # modules inside, in order; its outputs' states; whether an op inside gave derived readings))
+        # modules inside, in order; its outputs' states; whether an op inside gave derived readings);
+        # a module → False once its ops read: it is not learned again)
         self.plan: dict | None = {} if replay and not split else None
         self.quiet = {m for m in self.paths if type(m) not in OPAQUE and type(m) not in RECURRENT}
         self.taken = 0    # names taken so far
@@ -190,7 +191,8 @@ class ForwardTrace(TorchFunctionMode):
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
                                                               always_call=True)]
         if self.plan is not None:  # after the global hook, which opened the module's frame: its keyword inputs too
-            self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet]
+            self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet
+                            if self.plan.get(m) is not False]
         self._registry = interfaces.wrap_registry(self._interface)
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
@@ -488,6 +490,8 @@ class ForwardTrace(TorchFunctionMode):
             if self.events == frame.events:
                 self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
                                         self.derived != frame.derived)
+            else:
+                self.plan[frame.module] = False
         if self.learning:
             self.exits.append((frame.module, [self.axes.state(t) for t in outputs]))
         self._busy = True
