@@ -3,8 +3,10 @@ vision models built from small configs (no weights downloaded). Every activation
 applies is read once with its kind, and units killed by construction read as dead."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -79,6 +81,32 @@ def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(first + " "))
     assert expected[first][0] in line and f"{100 * 8 / expected[first][1]:.0f}%" in line
+
+
+@pytest.mark.parametrize("build", MODELS.values(), ids=MODELS.keys())
+def test_a_transformers_model_reads_the_same_replayed_as_traced(tmp_path, build):
+    """Probe readings after the trial replay the modules whose ops read nothing (here each whole
+    model, attention included): every column of every reading equals a fully traced forward's."""
+    torch.manual_seed(0)
+    model, probe, first_bias, _ = build()
+    with torch.no_grad():
+        first_bias[:8] = -1e4
+    readings = []
+    for replay in (True, False):
+        mon = Monitor(model, probe, tmp_path / f"{replay}.parquet", grad_every=None)
+        if replay:  # the whole model replays: its own call is in the plan
+            assert any(isinstance(key, tuple) and key[0] is model for key in mon.forward.trace.plan)
+        else:
+            mon.forward.trace.plan = None
+        readings.append([mon.forward.read() for _ in range(2)])
+        mon.close()
+    replayed, traced = readings
+    assert [[r.layer for r in step] for step in replayed] == [[r.layer for r in step] for step in traced]
+    for a, b in zip(sum(replayed, []), sum(traced, [])):
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert np.array_equal(x, y, equal_nan=True) if isinstance(x, np.ndarray) else x == y or x != x and y != y, \
+                (a.layer, f.name)
 
 
 def test_a_bert_attention_softmax_is_read_across_its_keys_and_a_mask_to_one_key_reads_peaked(tmp_path):
