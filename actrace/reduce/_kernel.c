@@ -294,8 +294,8 @@ INLINE void fold_columns(const Lanes *l, const float *x, int64_t i0, int64_t i1,
     }
 }
 
-/* Dense [rows, units] (the unit axis last), a block of ROWS rows at a time: the block is
- * histogrammed row by row (which also brings it into cache), then sixteen columns at a time (a
+/* Dense [rows, units] (the unit axis last), a block of ROWS rows at a time: the block, contiguous,
+ * is histogrammed in one call (which also brings it into cache), then sixteen columns at a time (a
  * cache line) walk down it with their sums in vector registers, a lane per column, then in double.
  * `relu` is a constant at each call. */
 INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float centre, const Out *o,
@@ -303,10 +303,8 @@ INLINE void dense(Hist *h, const float *x, int64_t rows, int64_t units, float ce
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7}, all = lane >= 0;
     for (int64_t i0 = 0; i0 < rows; i0 += ROWS) {
         int64_t i1 = i0 + ROWS < rows ? i0 + ROWS : rows;
-        for (int64_t i = i0; i < i1; i++) {
-            if (h->on) h->nan += count_bins(h->b, h->part, x + i * units, units);
-            else for (int64_t u = 0; u < units; u += 16) __builtin_prefetch(x + i * units + u);
-        }
+        if (h->on) h->nan += count_bins(h->b, h->part, x + i0 * units, (i1 - i0) * units); /* the block is contiguous */
+        else for (int64_t v = i0 * units; v < i1 * units; v += 16) __builtin_prefetch(x + v);
         for (int64_t u0 = 0; u0 < units; u0 += 16) {
             int left = units - u0 < 16 ? (int)(units - u0) : 16, m0 = left < 8 ? left : 8, m1 = left - m0;
             v8i valid0 = lane < m0, valid1 = lane < m1;
