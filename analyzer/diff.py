@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -224,10 +225,14 @@ def _said(baselines, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> 
 
 
 def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
-    lines = []
+    lines, firsts = [], d.first
+    partings, starts = defaultdict(list), defaultdict(list)  # by run, once (was a scan of all per run)
+    for p in d.partings:
+        partings[p.run].append(p)
+    for p in d.from_start:
+        starts[p.run].append(p)
     for run in runs:
-        first = d.first.get(run)
-        mine = [p for p in d.partings if p.run == run]
+        first, mine = firsts.get(run), partings[run]
         if first is None:
             lines.append(f"{shown(run)}: no parting from the baseline: every aligned layer and metric stayed inside "
                          "its band")
@@ -239,7 +244,7 @@ def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
                              "readings)")
             if len(mine) > top + 1:
                 lines.append(f"  … {len(mine) - top - 1} more parting(s): --format json lists them all")
-        start = [p for p in d.from_start if p.run == run]
+        start = starts[run]
         if start:
             lines.append("  from the first readings apart (as two seeds may be; seeds of the baseline tell: "
                          "diff A1 A2 -- B): " + "; ".join(f"{METRICS[p.metric][3]} in {shown(p.layer)}"
