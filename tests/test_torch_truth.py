@@ -319,10 +319,8 @@ class Block(nn.Module):
     def __init__(self, attend: bool):
         super().__init__()
         self.fc, self.relu, self.out, self.attend = nn.Linear(6, 6), nn.ReLU(), nn.Tanh(), attend
-        self.seen = []
 
     def forward(self, x):
-        self.seen.append(traced())
         h = self.relu(self.fc(x).transpose(1, 2)).add_(1.0)  # [B, C = 6, T = 5]; read before the add_
         if self.attend:
             k = x[:, None, :, :4].expand(-1, 2, -1, -1)
@@ -332,9 +330,9 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize("attend", [False, True])
 def test_a_module_whose_ops_read_nothing_replays_and_its_modules_read_as_when_traced(tmp_path, attend):
-    """After the trial's first pass the model's ops run untraced: its modules' hooks still read
-    them on the unit axis the ops moved them to, and the SDPA inside still gives its derived
-    readings (the trace then sees the ops, but follows none of them)."""
+    """After the trial's first pass the model's ops run untraced (the trace sees them, following
+    none): its modules' hooks still read them on the unit axis the ops moved them to, and the SDPA
+    inside still gives its derived readings."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(attend))
     kill(model[0].fc.bias, 2)
@@ -346,12 +344,67 @@ def test_a_module_whose_ops_read_nothing_replays_and_its_modules_read_as_when_tr
         got = [(r["unit_axis"], r["units"]) for r in table if r["layer"] == layer and r["stream"] == "activation"]
         assert got == [(1, 6)] * 3, layer  # T = 5, C = 6: only the transpose tells
     assert dead(tmp_path / "b.parquet", "0.relu") == [2 / 6] * 3
-    assert model[0].seen == [True] + [attend] * 4  # the trial's two passes, then three readings
+    assert any(isinstance(key, tuple) and key[0] is model for key in mon.forward.trace.plan)  # it replayed
     derived = {(r["layer"], r["step"]): r for r in table if r["layer"].startswith("0.attention")}
     assert len(derived) == (9 if attend else 0)
     for (layer, _), r in derived.items():
         want = 1.0 if layer == "0.attention_entropy" else 1 / 5 if layer == "0.attention_sink" else 0.0
         assert r["min"] == pytest.approx(want, abs=1e-6) and r["max"] == pytest.approx(want, abs=1e-6), layer
+
+
+class Gate(nn.Module):
+    """One of two linear layers, chosen by the sign of the input's sum: its calls differ with the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = Gate()
+
+    def forward(self, x):
+        return self.g(x) + self.g(-x)  # -x: the same call key, the other branch
+
+
+def test_a_module_whose_calls_differ_with_the_data_is_traced_not_replayed_off_its_plan(tmp_path):
+    """The second call of `g` replays the first's plan and meets another module inside: from then
+    on `g` is traced, so each linear layer reads its 4 units on the last axis at every reading."""
+    path = record(Twice(), torch.randn(3, 4).abs() + 1.0, tmp_path / "g.parquet", steps=range(3))
+    got = [(r["layer"], r["unit_axis"], r["units"]) for r in actrace.read_table(path).to_pylist()
+           if r["stream"] == "activation"]
+    assert got == [("g.a", 1, 4), ("g.b", 1, 4)] * 3
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_torch_transformer_encoder_reads_the_same_replayed_as_traced(tmp_path, padded):
+    """An `nn.TransformerEncoder` whose activation is a module (no op reads, so the whole model
+    replays) takes the same path replayed as traced: its fast path, which converts padded inputs to
+    nested tensors when no mode is on, is not taken in either; readings equal, and the model is in
+    evaluation behaviour."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, activation=nn.GELU())
+    model = nn.TransformerEncoder(layer, 2).eval()
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    if padded:
+        mask[:, 4:] = True
+    probe = {"src": torch.randn(4, 6, 16), "src_key_padding_mask": mask}
+    readings = []
+    for replay in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "two passes differ", no derived reading skipped
+            mon = Monitor(model, probe, tmp_path / f"{replay}.parquet", grad_every=None)
+        assert mon.mode == "eval"
+        if not replay:
+            mon.forward.trace.plan = None
+        readings.append([(r.layer, r.unit_axis, r.count, r.sum, r.min, r.max) for r in mon.forward.read()])
+        mon.close()
+    assert readings[0] == readings[1] and len(readings[0]) > 10
 
 
 class Attention(nn.Module):

@@ -429,7 +429,7 @@ class ForwardTrace(TorchFunctionMode):
         traced and, if its ops give no event, learned at its exit."""
         frame = self.stack[-1] if self.stack else None
         if frame is None or frame.module is not module or self._busy or self.region is not None or \
-                overrides._get_current_function_mode() is not self:
+                self.plan.get(module) is False or overrides._get_current_function_mode() is not self:
             return None
         with self._own():  # its inputs' shapes and dtypes: no op of the model's
             frame.key = self._call_key(module, args, kwargs)
@@ -438,7 +438,10 @@ class ForwardTrace(TorchFunctionMode):
         if frame.replay is not None:
             self._before(False, args)
             self.region = frame
-            if not frame.replay[2]:  # no op inside gives a derived reading: none need be seen
+            # a leaf with no op giving a derived reading runs with the mode off; any other keeps it on
+            # (following nothing), as when it was learned: code that checks for a mode (nn.TransformerEncoder's
+            # fast path) takes the same path
+            if frame.leaf and not frame.replay[2]:
                 frame.paused = overrides._pop_mode() is self
         elif frame.key is not None:
             self.learning += 1
@@ -530,16 +533,19 @@ class ForwardTrace(TorchFunctionMode):
         else:
             region.inside = len(exits) + 1  # off the plan from here on
             self.axes.set(outputs, None)
+            self.events += 1  # not quiet after all: a module that holds this one is not learned so
 
     def _replayed(self, frame: _Frame, outputs: list) -> None:
         """A quiet module run untraced: its outputs' axes and makers as learned. A call the plan
         did not foresee (other outputs, other modules inside) leaves its outputs' axes lost (read as
-        one unit, never guessed) and is traced again next time."""
+        one unit, never guessed), and the module is traced from then on (the trial sees that)."""
         self.region = None
         exits, states, _ = frame.replay
         if frame.inside != len(exits) or len(outputs) != len(states):
             del self.plan[frame.key]
+            self.plan[frame.module] = False  # its calls differ with the data: traced from now on
             self.axes.set(outputs, None)
+            self.events += 1
             return
         for t, state in zip(outputs, states):
             self.axes.restore(t, state)
