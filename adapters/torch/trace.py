@@ -522,33 +522,34 @@ class ForwardTrace(TorchFunctionMode):
 
     def _replayed_inside(self, frame: _Frame, outputs: list) -> None:
         """A module that ran inside the one replayed: its outputs' axes and makers as learned, for
-        its hooks to read them by. Where the modules inside ran otherwise than learned, the outputs
-        of this one and those after it are lost (read as one unit, never guessed)."""
+        its hooks to read them by; from the first module other than learned on, lost."""
         region, k = self.region, self.region.inside
         exits = region.replay[0]
         region.inside += 1
-        if k < len(exits) and exits[k][0] is frame.module and len(exits[k][1]) == len(outputs):
-            for t, state in zip(outputs, exits[k][1]):
-                self.axes.restore(t, state)
-        else:
+        if not self._restore(outputs, exits[k][1] if k < len(exits) and exits[k][0] is frame.module else None):
             region.inside = len(exits) + 1  # off the plan from here on
-            self.axes.set(outputs, None)
-            self.events += 1  # not quiet after all: a module that holds this one is not learned so
 
     def _replayed(self, frame: _Frame, outputs: list) -> None:
         """A quiet module run untraced: its outputs' axes and makers as learned. A call the plan
-        did not foresee (other outputs, other modules inside) leaves its outputs' axes lost (read as
-        one unit, never guessed), and the module is traced from then on (the trial sees that)."""
+        did not foresee (other modules inside, other outputs) is traced from then on (the trial
+        sees that)."""
         self.region = None
         exits, states, _ = frame.replay
-        if frame.inside != len(exits) or len(outputs) != len(states):
+        if not self._restore(outputs, states if frame.inside == len(exits) else None):
             del self.plan[frame.key]
-            self.plan[frame.module] = False  # its calls differ with the data: traced from now on
+            self.plan[frame.module] = False  # its calls differ with the data
+
+    def _restore(self, outputs: list, states: list | None) -> bool:
+        """Give a replayed call's outputs their learned states (None: off the plan); where they are
+        not what was learned, their axes are lost (read as one unit, never guessed) and that counts
+        as an event: a module that holds this call is not learned so. Whether they were."""
+        if states is None or len(states) != len(outputs):
             self.axes.set(outputs, None)
             self.events += 1
-            return
+            return False
         for t, state in zip(outputs, states):
             self.axes.restore(t, state)
+        return True
 
     def _opaque_output(self, frame: _Frame, inputs, output) -> None:
         """An opaque module's output axis (its own rule, or its input's for elementwise ones) and
