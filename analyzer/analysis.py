@@ -117,10 +117,10 @@ class Analysis:
 
 
 def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,
-            x: str = "step", skip_invalid: bool = False, engine: str = "polars", master: str = "local[2]") -> Analysis:
+            x: str = "step", skip_invalid: bool = False, engine: str = "polars", spark: dict | None = None) -> Analysis:
     """Read every trace once and derive what the analyzer commands show; a trace that breaks the spec
     stops it, naming the file (`skip_invalid`: leaves it out, saying so). `engine` computes the
-    metric table: Polars here, or DuckDB or Spark (at `master`) from the spec's SQL (their files'
+    metric table: Polars here, or DuckDB or Spark (with the settings `spark`) from the spec's SQL (their files'
     footers checked, their rows trusted to the engine)."""
     if x not in ("step", "progress"):
         raise ValueError(f"--x must be 'step' or 'progress', got {x!r}")
@@ -130,6 +130,6 @@ def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, map
         tables, side, runs = reduced(paths, th, skip_invalid)
     else:
         table, side, runs = on_duckdb(paths, th, skip_invalid) if engine == "duckdb" else \
-            on_spark(paths, th, master, skip_invalid)
+            on_spark(paths, th, spark, skip_invalid)
         tables = RunTables.split(table, [meta["run_name"] for meta in runs])
     return Analysis(tables, runs, scalars(side), (series(side), units(side)), rules, mapping, x, th)

@@ -6,11 +6,14 @@ derived readings), so findings over a sweep read the engine's table.
 """
 from __future__ import annotations
 
+import tempfile
+import uuid
 import warnings
 
 import polars as pl
+import pyarrow.parquet as pq
 
-from actrace.files.location import location, remote
+from actrace.files.location import location, remote, remove
 from actrace.files.reader import TraceError, checked, part_files, trace_sources
 from actrace.files.validate import metadata_problems
 from actrace.format import metadata
@@ -84,35 +87,74 @@ def on_duckdb(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.Dat
     return _typed(con.sql(metrics_sql("duckdb", th)).pl()), con.sql(side_sql()).pl(), runs
 
 
-def on_spark(paths, th: Thresholds, master: str = "local[2]",
+def on_spark(paths, th: Thresholds, spark: dict | None = None,
              skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
-    """(metric table, side rows, runs) of the traces, computed by Spark at `master`."""
+    """(metric table, side rows, runs) of the traces, computed by Spark with the settings `spark`
+    (`spark.master`: local[2] unless given; `actrace.scratch`: where the cluster writes its tables for
+    this process to read, a temporary folder here in local mode)."""
     SparkSession = _engine("pyspark.sql", "spark").SparkSession
 
+    conf = {"spark.master": "local[2]", **(spark or {})}
+    master, scratch = conf["spark.master"], conf.pop("actrace.scratch", None)
+    if scratch is None and not master.startswith("local"):
+        raise ValueError(f"--spark-master {master} needs --spark-scratch URL: a folder the cluster writes the metric "
+                         "table to and this machine reads (e.g. s3://bucket/tmp)")
     files, runs, absent = traces(paths, skip_invalid)
+    builder = (SparkSession.builder.appName("actrace").config("spark.ui.enabled", "false")
+               .config("spark.sql.session.timeZone", "UTC")
+               # a reading's row holds per-unit lists (thousands of values): Spark's 4,096 rows a batch
+               # overran local mode's 1 GiB heap at 100 runs of 512 units
+               .config("spark.sql.parquet.columnarReaderBatchSize", "256"))
     try:
-        spark = (SparkSession.builder.master(master).appName("actrace").config("spark.ui.enabled", "false")
-                 .config("spark.sql.session.timeZone", "UTC")
-                 # a reading's row holds per-unit lists (thousands of values): Spark's 4,096 rows a batch
-                 # overran local mode's 1 GiB heap at 100 runs of 512 units
-                 .config("spark.sql.parquet.columnarReaderBatchSize", "256").getOrCreate())
-    except Exception as exc:  # no Java, or no cluster at `master`: Spark's own words, first line
-        raise ValueError(f"--engine spark at {master}: Spark did not start ({str(exc).strip().splitlines()[0]}); it "
-                         "needs a Java runtime (Debian: default-jre-headless)") from None
+        session = builder.config(map=conf).getOrCreate()
+    except Exception as exc:  # no Java, too little memory, or no cluster at `master`: Spark's own words
+        java = "" if getattr(exc, "java_exception", None) is not None else \
+            "; it needs a Java runtime (Debian: default-jre-headless)"
+        raise ValueError(f"--engine spark at {master}: Spark did not start ({_said(exc)}){java}") from None
     try:
-        frame = spark.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
+        frame = session.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
     except Exception as exc:  # an object store without its Hadoop connector on the cluster
         if not any("://" in f for f in files):
             raise
-        raise ValueError(f"--engine spark: Spark cannot read {files[0]} ({str(exc).strip().splitlines()[0][:200]}); "
+        raise ValueError(f"--engine spark: Spark cannot read {files[0]} ({_said(exc)[:200]}); "
                          "object storage needs its Hadoop connector on the cluster (s3a: hadoop-aws)") from None
     frame.createOrReplaceTempView("raw")
-    spark.sql(f"SELECT *{_missing(absent, 'spark')}, input_file_name() AS _file, monotonically_increasing_id() AS _row "
-              f"FROM raw").createOrReplaceTempView("numbered")
-    spark.sql(f"SELECT * EXCEPT (_file, _row, _last) FROM (SELECT *, {LAST} _file DESC, _row DESC) AS _last "
-              f"FROM numbered) WHERE _last = 1").createOrReplaceTempView("readings")
-    to_polars = lambda df: pl.from_arrow(df.toArrow())  # noqa: E731
-    return _typed(to_polars(spark.sql(metrics_sql("spark", th)))), to_polars(spark.sql(side_sql())), runs
+    session.sql(f"SELECT *{_missing(absent, 'spark')}, input_file_name() AS _file, "
+                f"monotonically_increasing_id() AS _row FROM raw").createOrReplaceTempView("numbered")
+    session.sql(f"SELECT * EXCEPT (_file, _row, _last) FROM (SELECT *, {LAST} _file DESC, _row DESC) AS _last "
+                f"FROM numbered) WHERE _last = 1").createOrReplaceTempView("readings")
+    with tempfile.TemporaryDirectory(prefix="actrace-spark-") as here:
+        folder = f"{scratch or here}/actrace-{uuid.uuid4().hex}"
+        try:
+            return _typed(_written(session.sql(metrics_sql("spark", th)), f"{folder}/metrics")), \
+                _written(session.sql(side_sql()), f"{folder}/side"), runs
+        finally:
+            remove(location(folder))
+
+
+def _written(df, folder: str) -> pl.DataFrame:
+    """`df` written by Spark's tasks as Parquet in `folder` and read here: no table passes through the
+    driver (collecting 960,000 metric rows ran local mode's 1 GiB driver out of memory)."""
+    try:
+        df.write.parquet(folder.replace("s3://", "s3a://", 1))
+    except Exception as exc:
+        said = _said(exc)
+        if "OutOfMemoryError" in str(exc):
+            raise ValueError(f"--engine spark ran out of memory ({said}); give it more, e.g. --spark-conf "
+                             "spark.driver.memory=6g (in local mode the driver runs every task; on a cluster "
+                             "spark.executor.memory)") from None
+        raise
+    where = location(folder)
+    return pl.from_arrow(pq.read_table(where.path if remote(where) else str(where),
+                                       filesystem=where.fs if remote(where) else None))
+
+
+def _said(exc: Exception) -> str:
+    """Spark's own first line for an error: the Java exception's where there is one (Py4J's own line
+    says only which call failed), else Python's."""
+    java = getattr(exc, "java_exception", None)
+    text = java.toString() if java is not None else str(exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _engine(module: str, extra: str):

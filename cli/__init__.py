@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   actrace record --lake s3://bucket/lake --project vision --run lr3 -- python train.py
   actrace summary s3://bucket/lake/project=vision                  # a lake's partition, read alone
   actrace summary s3://bucket/lake --engine duckdb                  # the metrics by DuckDB (or spark)
+  actrace summary runs/*.parquet --engine spark --spark-conf spark.driver.memory=4g
   actrace sql --dialect spark > metrics.sql                         # the spec's metrics as SQL
 """
 
@@ -76,10 +77,23 @@ def analysis(args):
         check(args.output, output_kind(args), trace_sources(args.paths), args.force)
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
-                skip_invalid=args.skip_invalid, engine=args.engine, master=args.spark_master)
+                skip_invalid=args.skip_invalid, engine=args.engine, spark=spark_settings(args))
     if not a.tables.height and not a.findings:  # a run that never read its model may still have findings
         raise ValueError(f"no readings in {' '.join(args.paths)}")
     return a
+
+
+def spark_settings(args) -> dict:
+    """--engine spark's settings from --spark-master, --spark-scratch and each --spark-conf KEY=VALUE."""
+    conf = {"spark.master": args.spark_master}
+    for item in args.spark_conf:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--spark-conf {item!r}: expected KEY=VALUE, e.g. spark.driver.memory=6g")
+        conf[key.strip()] = value
+    if args.spark_scratch:
+        conf["actrace.scratch"] = args.spark_scratch
+    return conf
 
 
 def output_kind(args) -> str:
@@ -390,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "or DuckDB or Spark from the spec's SQL (`actrace sql`; the files' footers checked)")
         p.add_argument("--spark-master", default="local[2]", metavar="URL",
                        help="--engine spark: the cluster (spark://host:7077, yarn, …; default local[2])")
+        p.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                       help="--engine spark: a Spark setting, repeatable (e.g. spark.driver.memory=6g)")
+        p.add_argument("--spark-scratch", metavar="URL",
+                       help="--engine spark on a cluster: a folder the cluster writes the metric table to and this "
+                            "machine reads (e.g. s3://bucket/tmp; default in local mode: a temporary folder here)")
         p.set_defaults(func=func)
         return p
 

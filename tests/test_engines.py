@@ -100,6 +100,26 @@ def test_summary_on_each_engine_says_what_polars_says(demo_run, spark, cli):
     assert csv["duckdb"] == csv["polars"] and csv["polars"].count("\n") > 1000
 
 
+def test_spark_settings_reach_spark_and_its_tables_come_back_through_a_scratch_folder(demo_run, cli, tmp_path):
+    """`--spark-conf` reaches a fresh Spark (a driver too small to start is refused in Spark's words,
+    no Java trace); the metric table is written by Spark's tasks to `--spark-scratch` and read here
+    (the same CSV as Polars), the folder emptied after; settings that cannot work stop before Spark."""
+    runs = demo_run[0] / "runs"
+    small = cli("summary", runs, "--engine", "spark", "--spark-conf", "spark.driver.memory=200m")
+    assert small.returncode == 2 and "Insufficient driver memory" in small.stderr \
+        and "Traceback" not in small.stderr, small.stderr[-2000:]
+    scratch = tmp_path / "scratch"
+    csv = {engine: cli("summary", runs, "--engine", engine, "--format", "csv", "--spark-scratch", scratch)
+           for engine in ("polars", "spark")}
+    assert csv["spark"].returncode == 0, csv["spark"].stderr[-2000:]
+    assert csv["spark"].stdout == csv["polars"].stdout and csv["spark"].stdout.count("\n") > 1000
+    assert scratch.is_dir() and not any(scratch.iterdir())
+    bad = cli("summary", runs, "--engine", "spark", "--spark-conf", "spark.driver.memory")
+    assert bad.returncode == 2 and "--spark-conf 'spark.driver.memory': expected KEY=VALUE" in bad.stderr
+    cluster = cli("summary", runs, "--engine", "spark", "--spark-master", "spark://nowhere:7077")
+    assert cluster.returncode == 2 and "needs --spark-scratch URL" in cluster.stderr
+
+
 def test_the_printed_query_runs_where_its_help_says(demo_run, cli):
     """`actrace sql` printed, and run by DuckDB over a view of the traces as the help says."""
     import duckdb
