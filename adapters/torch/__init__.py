@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from actrace.record import Recorder, patterns
+from actrace.record import Recorder, collector_paused, patterns
 from actrace.reduce.torch import keep, layer_readings, update_norms
 
 from . import ranks
@@ -107,7 +107,8 @@ class Monitor(Recorder):
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
         self.last_probe = step
         fingerprint = self.forward.probe.check()
-        return self.write(step, self.forward.read(), mode=self.mode, probe_fingerprint=fingerprint)
+        with collector_paused():
+            return self.write(step, self.forward.read(), mode=self.mode, probe_fingerprint=fingerprint)
 
     def gradient_reading(self, step: int) -> int:
         """Record every parameter's gradient (layer-level: norm, extremes, zeros, NaN/Inf), and the
