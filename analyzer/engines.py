@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 import uuid
 import warnings
+from contextlib import nullcontext
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -112,7 +113,7 @@ def on_spark(paths, th: Thresholds, spark: dict | None = None,
             "; it needs a Java runtime (Debian: default-jre-headless)"
         raise ValueError(f"--engine spark at {master}: Spark did not start ({_said(exc)}){java}") from None
     try:
-        frame = session.read.option("mergeSchema", "true").parquet(*[f.replace("s3://", "s3a://", 1) for f in files])
+        frame = session.read.option("mergeSchema", "true").parquet(*map(_hadoop, files))
     except Exception as exc:  # an object store without its Hadoop connector on the cluster
         if not any("://" in f for f in files):
             raise
@@ -123,8 +124,8 @@ def on_spark(paths, th: Thresholds, spark: dict | None = None,
                 f"monotonically_increasing_id() AS _row FROM raw").createOrReplaceTempView("numbered")
     session.sql(f"SELECT * EXCEPT (_file, _row, _last) FROM (SELECT *, {LAST} _file DESC, _row DESC) AS _last "
                 f"FROM numbered) WHERE _last = 1").createOrReplaceTempView("readings")
-    with tempfile.TemporaryDirectory(prefix="actrace-spark-") as here:
-        folder = f"{scratch or here}/actrace-{uuid.uuid4().hex}"
+    with nullcontext(scratch) if scratch else tempfile.TemporaryDirectory(prefix="actrace-spark-") as there:
+        folder = f"{there}/actrace-{uuid.uuid4().hex}"
         try:
             return _typed(_written(session.sql(metrics_sql("spark", th)), f"{folder}/metrics")), \
                 _written(session.sql(side_sql()), f"{folder}/side"), runs
@@ -136,7 +137,7 @@ def _written(df, folder: str) -> pl.DataFrame:
     """`df` written by Spark's tasks as Parquet in `folder` and read here: no table passes through the
     driver (collecting 960,000 metric rows ran local mode's 1 GiB driver out of memory)."""
     try:
-        df.write.parquet(folder.replace("s3://", "s3a://", 1))
+        df.write.parquet(_hadoop(folder))
     except Exception as exc:
         said = _said(exc)
         if "OutOfMemoryError" in str(exc):
@@ -147,6 +148,11 @@ def _written(df, folder: str) -> pl.DataFrame:
     where = location(folder)
     return pl.from_arrow(pq.read_table(where.path if remote(where) else str(where),
                                        filesystem=where.fs if remote(where) else None))
+
+
+def _hadoop(url: str) -> str:
+    """A location as Spark's Hadoop file systems name it (S3 is `s3a://` there)."""
+    return url.replace("s3://", "s3a://", 1)
 
 
 def _said(exc: Exception) -> str:
