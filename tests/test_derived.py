@@ -426,17 +426,21 @@ def _tricky_scores(case: str) -> torch.Tensor:
 @pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
 @pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
                                   "nan-masked-elsewhere", "large", "long"])
-def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, monkeypatch):
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, causal, monkeypatch):
     """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
     elsewhere a softmax in a reused buffer, entropy as log Z minus the expected logit) give the
-    core's numpy definition (spec §Derived readings)."""
+    core's numpy definition (spec §Derived readings); SDPA's causal mask given as a flag (applied by
+    the kernel as it reads) leaves out what the same mask filled in does."""
     from actrace.reduce import derived as definition
     from actrace.reduce import kernel
 
     if where == "torch-ops":
         monkeypatch.setattr(kernel, "available", False)
     x = _tricky_scores(case)
-    fast, want = attention(x), definition.attention(x.numpy())
+    later = ~torch.ones(x.shape[-2:], dtype=torch.bool).tril()  # SDPA's is_causal: key j > query i left out
+    fast = attention(x, causal=causal)
+    want = definition.attention((x.masked_fill(later, -math.inf) if causal else x).numpy())
     for kind in ATTENTION_KINDS:
         assert fast[kind].shape == want[kind].shape, kind
         np.testing.assert_allclose(fast[kind].numpy(), want[kind], rtol=1e-5, atol=1e-5, err_msg=kind)

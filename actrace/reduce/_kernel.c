@@ -416,15 +416,17 @@ void actrace_run_batch(void *data) {
 }
 
 /* An attention's scores [B, H, Q, K], contiguous: per query and head its largest logit over the
- * keys it may attend (a key any head scores at or below `lowest` is left out for every head), the
- * entropy of its softmax over them (in nats, log Z minus the expected logit, both about the peak),
- * and its softmax's mass on the first key it may attend; per query, how many keys it may attend.
- * A NaN score makes its query and head NaN, as the numpy definition (actrace/reduce/derived.py). */
+ * keys it may attend (a key past `reach` keys after the query's own position, or one any head
+ * scores at or below `lowest`, is left out for every head), the entropy of its softmax over them
+ * over ln(keys) (in nats, log Z minus the expected logit, both about the peak; 2 keys or more), and
+ * its softmax's mass on the first key it may attend, each [B, Q, H]; per query, how many keys it
+ * may attend. A NaN score makes its query and head NaN, as the numpy definition
+ * (actrace/reduce/derived.py). `reach` 0 is SDPA's causal mask; K or more, none. */
 typedef struct {
     const float *x;
-    int64_t batch, heads, queries, keys;
+    int64_t batch, heads, queries, keys, reach;
     float lowest;
-    float *peak, *entropy, *sink; /* [B, H, Q] */
+    float *peak, *entropy, *sink; /* [B, Q, H] */
     int64_t *n;                   /* [B, Q] */
     int64_t next;                 /* queries taken by the threads so far */
 } Scores;
@@ -467,10 +469,10 @@ INLINE void load_scores(const float *row, const int32_t *keep, int64_t k, int64_
 /* One query of one sequence: its keys' mask from every head, then each head's row in two passes
  * (the peak, then the exponentials' sums), the row in cache the second time. `keep` holds K ints. */
 CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *keep) {
-    const int64_t K = s->keys, H = s->heads, Q = s->queries;
+    const int64_t K = s->keys, H = s->heads, Q = s->queries, last = q + s->reach; /* the last key it may attend */
     const float lowest = s->lowest;
     int64_t n = 0, first = -1;
-    for (int64_t k = 0; k < K; k++) keep[k] = -1;
+    for (int64_t k = 0; k < K; k++) keep[k] = -(int32_t)(k <= last);
     for (int64_t h = 0; h < H; h++) {
         const float *row = s->x + ((b * H + h) * Q + q) * K;
         for (int64_t k = 0; k < K; k++) keep[k] &= -(int32_t)!(row[k] <= lowest); /* NaN is kept: it is read */
@@ -480,7 +482,7 @@ CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *k
     s->n[b * Q + q] = n;
     for (int64_t h = 0; h < H; h++) {
         const float *row = s->x + ((b * H + h) * Q + q) * K;
-        const int64_t out = (b * H + h) * Q + q;
+        const int64_t out = (b * Q + q) * H + h;
         v8f hi = {0}, sum = {0}, dot = {0}, floor = {0}, v;
         v8i bad = {0}, live;
         hi -= INFINITY;
@@ -511,7 +513,8 @@ CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *k
         double total = 0, expected = 0;
         for (int j = 0; j < 8; j++) { total += sum[j]; expected += dot[j]; }
         float d0 = row[first] - peak;
-        s->entropy[out] = (float)(log(total) - expected / total); /* log Z - E[x], both about the peak */
+        double nats = log(total) - expected / total; /* log Z - E[x], both about the peak */
+        s->entropy[out] = (float)((nats > 0 ? nats : 0) / log(n < 2 ? 2.0 : (double)n));
         s->sink[out] = (float)(exp(d0 > -87.0f ? d0 : -87.0f) / total);
     }
 }
@@ -540,7 +543,7 @@ static const int64_t layout[] = {
     offsetof(Job, f64), offsetof(Job, f32), offsetof(Job, i64),
     sizeof(Batch), offsetof(Batch, bins), offsetof(Batch, jobs), offsetof(Batch, n), offsetof(Batch, next),
     sizeof(Scores), offsetof(Scores, x), offsetof(Scores, batch), offsetof(Scores, heads), offsetof(Scores, queries),
-    offsetof(Scores, keys), offsetof(Scores, lowest), offsetof(Scores, peak), offsetof(Scores, entropy),
+    offsetof(Scores, keys), offsetof(Scores, reach), offsetof(Scores, lowest), offsetof(Scores, peak), offsetof(Scores, entropy),
     offsetof(Scores, sink), offsetof(Scores, n), offsetof(Scores, next),
 };
 

@@ -37,7 +37,7 @@ class _Batch(ctypes.Structure):
 
 
 class _Scores(ctypes.Structure):  # Scores in _kernel.c
-    _fields_ = [("x", _P)] + [(name, _I64) for name in ("batch", "heads", "queries", "keys")] + \
+    _fields_ = [("x", _P)] + [(name, _I64) for name in ("batch", "heads", "queries", "keys", "reach")] + \
         [("lowest", ctypes.c_float)] + [(name, _P) for name in ("peak", "entropy", "sink", "n")] + [("next", _I64)]
 
 
@@ -170,15 +170,17 @@ def _on_threads(fn, address, data, parallel: bool) -> None:
         helper.result()
 
 
-def attention_scores(x: np.ndarray, lowest: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Of C-contiguous float32 scores `[B, H, Q, K]`, a key any head scores at or below `lowest` left
-    out: per query and head its largest logit, its softmax's entropy in nats and its mass on the
-    first key it may attend (`[B, H, Q]` each), and per query its keys (`[B, Q]`); NaN where a NaN
-    score or no key makes them unknown."""
+def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> tuple[np.ndarray, ...]:
+    """Of C-contiguous float32 scores `[B, H, Q, K]`, a key any head scores at or below `lowest`
+    left out, and one more than `reach` keys past the query's position (0: SDPA's causal mask;
+    None: none): per query and head its largest logit, its softmax's entropy over ln(keys) (queries
+    of 2 keys or more) and its mass on the first key it may attend (`[B, Q, H]` each), and per query
+    its keys (`[B, Q]`); NaN where a NaN score or no key makes them unknown."""
     batch, heads, queries, keys = x.shape
-    peak, entropy, sink = (np.empty((batch, heads, queries), np.float32) for _ in range(3))
+    peak, entropy, sink = (np.empty((batch, queries, heads), np.float32) for _ in range(3))
     n = np.empty((batch, queries), np.int64)
-    job = _Scores(_address(x), batch, heads, queries, keys, lowest, *map(_address, (peak, entropy, sink, n)), 0)
+    job = _Scores(_address(x), batch, heads, queries, keys, keys if reach is None else reach, lowest,
+                  *map(_address, (peak, entropy, sink, n)), 0)
     _on_threads(_scores, _SCORES, ctypes.byref(job), batch * queries > 1 and x.size >= SPLIT)
     return peak, entropy, sink, n
 

@@ -76,22 +76,22 @@ class Reading:
         totals follow from them (spec §Columns). Without `per_unit` only the totals are kept.
         Float64 extremes are rounded outward to float32, so a nonzero value never becomes 0."""
         v = {k: np.asarray(x) for k, x in stats.items() if x is not None}
+        add = functools.partial(np.add.reduce, axis=None)  # the ufunc itself: `.sum()` wraps it in Python
         unit_axis = None if unit_axis is None else unit_axis % len(shape)
         r = cls(shape=tuple(int(n) for n in shape), unit_axis=unit_axis,
                 units=1 if unit_axis is None else int(shape[unit_axis]), count=math.prod(shape),
-                nan_count=int(v["nan_count"].sum()), inf_count=int(v["inf_count"].sum()),
-                zero_count=int(v["unit_zero"].sum()), sum=float(v["unit_sum"].sum()),
-                sumsq=float(v["unit_sumsq"].sum()),
+                nan_count=int(add(v["nan_count"])), inf_count=int(add(v["inf_count"])),
+                zero_count=int(add(v["unit_zero"])), sum=float(add(v["unit_sum"])), sumsq=float(add(v["unit_sumsq"])),
                 # units with no finite value hold NaN extremes, which fmin/fmax pass over
-                min=float(np.fmin.reduce(v["unit_min"].ravel())), max=float(np.fmax.reduce(v["unit_max"].ravel())),
-                hist=v["hist"].astype(np.int64) if "hist" in v else None,
-                sum3=float(v["unit_sum3"].sum()) if "unit_sum3" in v else None,
-                sum4=float(v["unit_sum4"].sum()) if "unit_sum4" in v else None,
-                sat_counts=v["sat_counts"].astype(np.int64) if "sat_counts" in v else None, **meta)
-        if per_unit:
+                min=float(np.fmin.reduce(v["unit_min"], axis=None)), max=float(np.fmax.reduce(v["unit_max"], axis=None)),
+                hist=v["hist"].astype(np.int64, copy=False) if "hist" in v else None,
+                sum3=float(add(v["unit_sum3"])) if "unit_sum3" in v else None,
+                sum4=float(add(v["unit_sum4"])) if "unit_sum4" in v else None,
+                sat_counts=v["sat_counts"].astype(np.int64, copy=False) if "sat_counts" in v else None, **meta)
+        if per_unit:  # the backend's arrays kept where they have the column's type already (no copy)
             for name, dtype in _UNIT_DTYPES.items():
                 value = v[name].reshape(-1)
-                setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype))
+                setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype, copy=False))
         return r
 
     @classmethod
@@ -115,7 +115,7 @@ class Reading:
 def outward(v: np.ndarray, toward: float) -> np.ndarray:
     """`v` as float32, each value rounded toward `toward` (-inf for a minimum, +inf for a maximum)
     where float32 cannot hold it: a stored minimum is never above the true one (spec §Numerics)."""
-    f = v.astype(np.float32)
+    f = v.astype(np.float32, copy=False)
     if v.dtype == np.float64:
         with np.errstate(invalid="ignore"):
             off = f > v if toward < 0 else f < v

@@ -313,7 +313,8 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
     if not pending:
         return []
-    if not any(_on_device(v) for p in pending for v in p.stats.values()):
+    # a reading's statistics lie on one device, its tensor's: one look at each reading says where
+    if not any(_on_device(next(iter(p.stats.values()), None)) for p in pending):
         return [_finish(p, dict(p.stats)) for p in pending]  # on the host: nothing to batch, nor to convert
     dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
     flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]

@@ -22,24 +22,26 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
              "is_causal")
 
 
-def attention(logits: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, torch.Tensor] | None:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's
-    lowest value (an additive mask), a key any head masks left out: per query and head (last axis),
-    its largest logit over the keys it may attend, its entropy over them divided by ln(keys)
-    (queries of 2 keys or more), and its mass on the first key it may attend. A NaN score stays:
-    it is read as one. On a CPU, by the fused kernel (one read of the scores); elsewhere by torch."""
+    lowest value (an additive mask), a key any head masks left out, and with `causal` the keys
+    after the query's position (SDPA's mask): per query and head (last axis), its largest logit over
+    the keys it may attend, its entropy over them divided by ln(keys) (queries of 2 keys or more),
+    and its mass on the first key it may attend. A NaN score stays: it is read as one. On a CPU, by
+    the fused kernel (one read of the scores, the causal mask applied as it reads); elsewhere by torch."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
     if x.device.type == "cpu" and kernel.available:
-        peak, nats, sink, n = map(torch.from_numpy, kernel.attention_scores(x.contiguous().numpy(), lowest))
+        peak, entropy, sink, n = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
     else:
-        peak, nats, sink, n = _per_head(x, lowest)
-    entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
+        if causal:
+            x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
+        peak, entropy, sink, n = _per_head(x, lowest)
     rows, wide = n >= 1, n >= 2  # [B, Q]: queries with a key, with two or more
-    return {"attention_logit": peak.transpose(1, 2)[rows],
-            "attention_entropy": entropy.transpose(1, 2)[wide], "attention_sink": sink.transpose(1, 2)[rows]}
+    return {"attention_logit": torch.as_tensor(peak[rows]), "attention_entropy": torch.as_tensor(entropy[wide]),
+            "attention_sink": torch.as_tensor(sink[rows])}
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
@@ -62,21 +64,19 @@ def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
     else:
         sink = p[..., 0].clone()
     nats = -p.amax(-1).log() - p.mul_(d).sum(-1)  # Σ p·(x − peak) in place: p is not needed after
-    return peak.squeeze(-1), nats, sink, n
+    entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
+    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n
 
 
-def sdpa_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The scores `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-    enable_gqa)` softmaxes, masked keys at `_LEFT_OUT`; None unless q is `[B, H, Q, E]`."""
+def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """`attention` of the scores `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
+    is_causal, scale, enable_gqa)` softmaxes; None unless q is `[B, H, Q, E]`."""
     q, k = arg(args, kwargs, 0, "query"), arg(args, kwargs, 1, "key")
     mask, causal = arg(args, kwargs, 3, "attn_mask"), arg(args, kwargs, 5, "is_causal", False)
     scale = arg(args, kwargs, 6, "scale")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not isinstance(k, torch.Tensor) or k.ndim != 4:
         return None
-    x = _scaled_scores(q, k, scale)
-    if causal:
-        x.masked_fill_(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
-    return _masked(x, mask, allowed=True)
+    return attention(_masked(_scaled_scores(q, k, scale), mask, allowed=True), causal=bool(causal))
 
 
 def interface_logits(module, query: torch.Tensor, key: torch.Tensor, mask, scaling: float | None = None,

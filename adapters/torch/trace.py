@@ -298,7 +298,7 @@ class ForwardTrace(TorchFunctionMode):
             return
         if name == "scaled_dot_product_attention":
             self._derive(frame.path, frame.module, ATTENTION_KINDS,
-                         lambda: derived.attention(derived.sdpa_logits(args, kwargs)))
+                         lambda: derived.sdpa_attention(args, kwargs))
         elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3) \
                 and attends(frame.module, frame.path):
             self._derive(frame.path, frame.module, ATTENTION_KINDS,
