@@ -7,7 +7,9 @@ the hooks do not see; Hugging Face Llamas of 32 layers × 64 and 8 × 512 on 8×
 side in one run:
   - a plain `no_grad` eval forward of the probe (the reference, 1.00×);
   - an actrace probe reading (forward + all reductions + histograms + hand-off to the writer),
-    and the same without histograms (`Monitor(histogram=False)`);
+    the same without histograms (`Monitor(histogram=False)`), and without derived readings (per
+    head of an attention, per position of an LM head: `exclude=` their names), whose scores a
+    fused attention never shows, so they are computed again;
   - forward hooks calling `.mean().item()`, `.std().item()`, `.min().item()`, `.max().item()` and
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
@@ -29,6 +31,9 @@ import torch
 from torch import nn
 
 from actrace.adapters.torch import Monitor, module_kind as layer_kind
+from actrace.format.schema import DERIVED_KINDS
+
+NOT_DERIVED = [p for kind in DERIVED_KINDS for p in (kind, f"*.{kind}")]  # exclude= every derived reading
 
 
 def mlp():
@@ -167,7 +172,8 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
-    header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'per-stat':>9} {'tensorboard':>11} " \
+    header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'no derived':>10} {'per-stat':>9} " \
+             f"{'tensorboard':>11} " \
              f"{'train ms':>9} {'+grads':>7}"
     print(header)
     from torch.utils.tensorboard import SummaryWriter
@@ -217,6 +223,7 @@ def main() -> None:
                 "forward": lambda: nullcontext(forward),
                 "actrace": monitored,
                 "no hist": lambda: monitored(histogram=False),
+                "no derived": lambda: monitored(exclude=NOT_DERIVED),
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 "+grads": watched,
@@ -226,7 +233,8 @@ def main() -> None:
                                max(2, args.repeat // 3), sync, calls)
             tb.close()
         print(f"{name:<18} {statistics.median(t['forward']) * 1e3:>10.1f} {paired(t, 'actrace', 'forward'):>7.2f}x "
-              f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'per-stat', 'forward'):>8.2f}x "
+              f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'no derived', 'forward'):>9.2f}x "
+              f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
               f"{paired(t, '+grads', 'train'):>6.2f}x")
 
