@@ -5,7 +5,8 @@ each case timed in turn round after round, as a paired median ratio to a plain `
   - trace+kernel:  the same, the sink running the fused C kernel on each tensor as a reading does
                    (histogram, per-unit sums, a following ReLU from the same pass), nothing else;
   - trace, batch:  the same kernel passes as one batch after the forward (the tensors held until
-                   then), as a reading could make them where nothing changes a tensor in place;
+                   then); a reading holds them in batches of `forward.HOLD` bytes where its trial
+                   found that nothing changes them in place;
   - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
   - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
                    layer-level totals, the writer's buffer), and the same without histograms.

@@ -16,6 +16,7 @@ from actrace.format import bins
 from actrace.reduce import kernel
 from actrace.reduce import torch as _torch_reduce
 from actrace.adapters.torch import Monitor
+from actrace.adapters.torch import forward
 from actrace.analyzer.metrics import metrics
 from actrace.reduce import reduce_array
 from conftest import HUNG
@@ -148,8 +149,8 @@ def test_a_relu_read_from_its_inputs_pass_and_in_place_relus_read_what_they_over
     if nonfinite:  # ±inf and NaN before the ReLU; relu(-inf) is 0: these ReLUs take their own pass
         probe[0, 0], probe[1, :] = float("inf"), float("nan")
     passes = []
-    real = kernel.reduce_f32
-    monkeypatch.setattr(kernel, "reduce_f32", lambda *a, **k: passes.append(a) or real(*a, **k))
+    real = kernel.reduce_many
+    monkeypatch.setattr(kernel, "reduce_many", lambda tasks: passes.extend(tasks) or real(tasks))
     rows = actrace.read_table(record_once(model, probe, tmp_path / "t.parquet")).to_pylist()
     assert len(passes) == (4 if nonfinite else 2) or not kernel.available  # a ReLU's reading from its input's pass
     with torch.no_grad():
@@ -189,6 +190,58 @@ def test_an_output_changed_in_place_after_its_hook_is_read_as_the_layer_gave_it(
         by_layer = {r["layer"]: r for r in rows if r["step"] == step}
         assert_reads(by_layer["fc"], fc, "linear")
         assert_reads(by_layer["act"], torch.relu(fc + probe), "relu")
+
+
+class Scaled(nn.Module):
+    """`out.data.mul_(2)` changes the recorded output of `fc` after its hook ran, through `.data`,
+    which no version counter sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.Tanh()
+
+    def forward(self, x):
+        out = self.fc(x)
+        out.data.mul_(2)
+        return self.act(out)
+
+
+@pytest.mark.parametrize("changes", ["none", "in place", "through .data"])
+def test_readings_wait_for_one_kernel_batch_only_where_nothing_changes_them_in_place(tmp_path, changes, monkeypatch):
+    """The trial holds copies of what it read and compares them at the forward's end: where every
+    one is as it was, a reading holds its tensors and reads them in one kernel batch; where a
+    tensor changed in place after its hook (`out += x`, or through `.data`), each is read at once.
+    Either way every reading is of the tensor as its layer gave it."""
+    torch.manual_seed(0)
+    model = {"none": lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()),
+             "in place": Residual, "through .data": Scaled}[changes]()
+    probe = torch.randn(32, 8)
+    batches = []
+    real = kernel.reduce_many
+    monkeypatch.setattr(kernel, "reduce_many", lambda tasks: batches.append(len(tasks)) or real(tasks))
+    path = tmp_path / "t.parquet"
+    with Monitor(model, probe, path, grad_every=None) as mon:
+        assert mon.forward.batches == (changes == "none")
+        batches.clear()
+        mon.probe_reading(0)
+        assert batches == ([4] if changes == "none" else [1, 1]) or not kernel.available
+        monkeypatch.setattr(forward, "HOLD", 2 * probe.nbytes)  # a batch is read once it holds that much
+        batches.clear()
+        mon.probe_reading(1)
+        assert batches == ([2, 2] if changes == "none" else [1, 1]) or not kernel.available
+    rows = {r["layer"]: r for r in actrace.read_table(path).to_pylist() if r["step"] == 1}
+    with torch.no_grad():
+        if changes == "none":
+            h = [model[0](probe)]
+            h += [torch.tanh(h[0]), model[2](torch.tanh(h[0]))]
+            h.append(torch.tanh(h[2]))
+            for (name, row), t, kind in zip(rows.items(), h, ("linear", "tanh", "linear", "tanh")):
+                assert_reads(row, t, kind)
+        else:
+            fc = model.fc(probe)
+            assert_reads(rows["fc"], fc, "linear")
+            assert_reads(rows["act"], torch.relu(fc + probe) if changes == "in place" else torch.tanh(2 * fc),
+                         "relu" if changes == "in place" else "tanh")
 
 
 class Head(nn.Module):

@@ -90,13 +90,35 @@ def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, 
     return torch.cat([p.movedim(axis, -1).reshape(-1, p.shape[axis]) for p in parts]), 1
 
 
-def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
-                  bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True,
-                  relu_too: bool = False) -> Pending:
+def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, **options) -> Pending:
     """Reduce a floating tensor over every axis but `unit_axis`, now (before anything can change it
     in place), on its device: CPU float32 by the fused kernel, anything else by torch kernels.
-    With `relu_too`, the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x
-    holds no NaN or Inf: a ReLU that follows is read without a pass of its own (see `relu_of`)."""
+    Options: `layer` (required), `stream`, `bounds`, `param`, `per_unit`, `histogram`, and
+    `relu_too`: the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x holds
+    no NaN or Inf, so a ReLU that follows is read without a pass of its own (see `relu_of`)."""
+    return reduce_tensors([(t, unit_axis, kind, options)])[0]
+
+
+def reduce_tensors(calls: list[tuple[torch.Tensor, int | None, str, dict]]) -> list[Pending]:
+    """`reduce_tensor(t, unit_axis, kind, **options)` of each call, now: the CPU float32 tensors in
+    one kernel batch shared by every thread (many small tensors keep both threads busy), the
+    others by torch kernels on their devices."""
+    prepared = [_prepared(t, axis, kind, **options) for t, axis, kind, options in calls]
+    tasks = {i: (_kernel_view(p, x, axis), centre(p.bounds), histogram, relu_too)
+             for i, (p, x, axis, histogram, relu_too) in enumerate(prepared)
+             if kernel.available and x.device.type == "cpu" and x.dtype == torch.float32}
+    for i, st in zip(tasks, kernel.reduce_many(list(tasks.values()))):
+        _kernel_stats(prepared[i][0], tasks[i][0], st)
+    return [p if i in tasks else _torch_stats(p, x, axis, histogram)
+            for i, (p, x, axis, histogram, _) in enumerate(prepared)]
+
+
+def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
+              bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True,
+              relu_too: bool = False) -> tuple[Pending, torch.Tensor, int, bool, bool]:
+    """A call of `reduce_tensor` checked (spec §Numerics, naming the layer) and set up: its pending
+    reading, the tensor as it is reduced (half precision widened, a nested one flattened, one unit
+    as a column), the unit axis in it, whether to histogram it, and `relu_too`."""
     x = t.detach()
     dtype = str(x.dtype).removeprefix("torch.")
     check_reducible(x.is_floating_point(), dtype, (1,), layer)
@@ -105,30 +127,41 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: s
     check_reducible(True, dtype, tuple(x.shape), layer)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    bounds = bounds_for(kind, bounds)
     shape = tuple(x.shape)
     if unit_axis is None:
         x, axis = x.reshape(-1, 1), 1
     else:
         axis = unit_axis % x.ndim
-    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds, param, per_unit)
-    c = centre(bounds)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel.available:
-        if per_unit and unit_axis is not None:
-            view = x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1)
-        else:
-            view = x.contiguous().view(1, 1, -1)
-        st = kernel.reduce_f32(view.numpy(), c, histogram and per_unit, relu_too)
-        relu = st.pop("relu")
-        pending.stats = {k: v for k, v in st.items() if v is not None}
-        if bounds is not None and per_unit:
-            pending.stats["sat_counts"] = sat_counts(view.numpy(), bounds)
-        if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
-            pending.relu = relu_stats(pending.stats, relu)
-        return pending
+    pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds_for(kind, bounds), param, per_unit)
+    return pending, x, axis, histogram and per_unit, relu_too
+
+
+def _kernel_view(pending: Pending, x: torch.Tensor, axis: int) -> np.ndarray:
+    """The tensor as the kernel reads it: (before, units, after), C-contiguous; one unit for a
+    layer-level reading or a tensor with no unit axis."""
+    shape = pending.shape
+    if pending.per_unit and pending.unit_axis is not None:
+        return x.contiguous().view(math.prod(shape[:axis]), shape[axis], -1).numpy()
+    return x.contiguous().view(1, 1, -1).numpy()
+
+
+def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
+    """The kernel's statistics into the pending reading, with the saturation counts of a bounded
+    kind, and relu(x)'s where the pass gave them and x holds no NaN or Inf."""
+    relu = st.pop("relu")
+    pending.stats = {k: v for k, v in st.items() if v is not None}
+    if pending.bounds is not None and pending.per_unit:
+        pending.stats["sat_counts"] = sat_counts(view, pending.bounds)
+    if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
+        pending.relu = relu_stats(pending.stats, relu)
+
+
+def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
+    """The statistics by torch kernels on the tensor's device (`_masked`), without a host sync."""
+    per_unit, bounds, c = pending.per_unit, pending.bounds, centre(pending.bounds)
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
-    pending.stats = _masked(x, axis, c, kind == "relu", histogram and per_unit, moments=per_unit)
+    pending.stats = _masked(x, axis, c, pending.kind == "relu", histogram, moments=per_unit)
     if bounds is not None and per_unit:
         pending.stats["sat_counts"] = sat_counts(x, bounds, torch)
     return pending

@@ -2,6 +2,8 @@
 output and activation read the moment it is made (`ForwardTrace`), chunks merged and, across
 data-parallel ranks, all-reduced. At construction the first chunk runs twice (`trial`): the
 model takes the probe, depth is forward order, and evaluation behaviour is deterministic.
+Where the trial saw that nothing changes a read tensor in place before `HOLD` bytes of them have
+gathered, the CPU float32 ones are held that long and read in one kernel batch on every thread.
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ import torch
 from torch import nn
 
 from actrace.reduce import fold
-from actrace.reduce.torch import Pending, reduce_tensor, relu_of, to_readings
+from actrace.reduce.torch import Pending, reduce_tensors, relu_of, to_readings
 
 from . import ranks
 from .fsdp import reshard
 from .probe import Probe
 from .shards import UNPLACED, Split, is_dtensor, join
 from .trace import ForwardTrace, Output, output_tensors
+
+HOLD = 2 << 20  # bytes of read tensors held for one kernel batch, where the trial found that safe (`trial`)
+TRIAL_HOLD = 256 << 20  # bytes of read tensors the trial copies to find that out
 
 
 class ProbeForward:
@@ -36,7 +41,10 @@ class ProbeForward:
         self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
         self.trace = ForwardTrace(model, self._read, wanted, heads, split is not None, replay=pipeline is None)
         self.warned: set[str] = set()
-        self._outputs: list[tuple[Output, Pending, object]] = []  # and the slice of units it holds (`shards`)
+        self._outputs: list[tuple[Output, object]] = []  # and the slice of units it holds (`shards`)
+        self.batches = False  # read tensors held for one batch (`HOLD`): set by the trial where that is safe
+        self._held: list[tuple[Output, tuple]] = []  # those held: (Output, its `reduce_tensors` call)
+        self._held_bytes = 0
 
     def axis(self, out: Output) -> int | None:
         if out.kind == "softmax" and out.axis is not None:
@@ -78,10 +86,26 @@ class ProbeForward:
             if isinstance(source, Pending) and source.relu is not None and self.axis(out) == self.axis(out.relu_of):
                 out.reading = relu_of(source, out.name)
             else:
-                out.reading = reduce_tensor(out.tensor, self.axis(out), out.kind, layer=out.name, bounds=out.bounds,
-                                            histogram=self.histogram, relu_too=out.feeds_relu)
-            self._outputs.append((out, out.reading, held))
-        out.tensor = None  # read: the activation is not held
+                self._held.append((out, (out.tensor, self.axis(out), out.kind, dict(
+                    layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu))))
+                self._held_bytes += out.tensor.nbytes if self.batches and self.batchable(out) else HOLD
+                if self._held_bytes >= HOLD:
+                    self._read_held()
+            self._outputs.append((out, held))
+        out.tensor = None  # read, or held for a batch by `_held`
+
+    def batchable(self, out: Output) -> bool:
+        """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain CPU
+        float32 tensor, whose pass gives no ReLU's reading (that reading is taken the moment it is made)."""
+        t = out.tensor
+        return self.split is None and not out.feeds_relu and type(t) is torch.Tensor and not t.is_nested \
+            and t.device.type == "cpu" and t.dtype == torch.float32
+
+    def _read_held(self) -> None:
+        """Read every held tensor now, in one batch."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        for (out, _), pending in zip(held, reduce_tensors([call for _, call in held]) if held else ()):
+            out.reading = pending
 
     def _skipped_slice(self, name: str, why: str) -> None:
         """A tensor-parallel reading skipped: the same on every rank, so said once, by rank 0."""
@@ -119,13 +143,14 @@ class ProbeForward:
         share = (split.rank, split.size) if split else (0, 1) if self.pipeline is not None else (self.rank, self.world)
         with self.evaluation():
             for chunk in self.probe.chunks(*share, self.chunk):
-                self._outputs = []
+                self._outputs, self._held, self._held_bytes = [], [], 0
                 with self.trace:
                     self.call(chunk, self.trace)
-                for out, p, tag in self._outputs:
-                    p.layer = out.name  # the name the trace settled on, once the chunk ran
+                self._read_held()
+                for out, tag in self._outputs:
+                    out.reading.layer = out.name  # the name the trace settled on, once the chunk ran
                     held[out.name] = tag
-                fold(merged, to_readings([p for out, p, _ in self._outputs if out.name is not None]))
+                fold(merged, to_readings([out.reading for out, _ in self._outputs if out.name is not None]))
                 self._outputs = []
         readings = list(merged.values())
         if split:
@@ -145,12 +170,13 @@ class ProbeForward:
         kept for the readings only if it read every layer as the first pass did."""
         trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
                              self.split is not None, replay=self.trace.plan is not None)
-        first, _ = self._pass(trace)
-        second, seen = self._pass(trace)
+        first, _, _ = self._pass(trace, check=False)
+        second, seen, unchanged = self._pass(trace)
         if trace.plan and [a[:3] for a in first] != [b[:3] for b in second]:
             trace.plan = None  # a module's insides mattered after all (a tensor it made escaped): trace them
-            second, seen = self._pass(trace)
+            second, seen, unchanged = self._pass(trace)
         self.trace.plan = trace.plan
+        self.batches = unchanged
         order = list(dict.fromkeys(o.name for o, _ in seen if o.name))
         differ = next((a for a, b in zip(first, second) if not _same(a[3], b[3])), None)
         steady = steady_everywhere = differ is None and len(first) == len(second)
@@ -169,13 +195,20 @@ class ProbeForward:
                       f" so readings measure its randomness; they are marked mode=train", stacklevel=3)
         return "train", order
 
-    def _pass(self, trace: ForwardTrace) -> tuple[list, list]:
+    def _pass(self, trace: ForwardTrace, check: bool = True) -> tuple[list, list, bool]:
         """One traced forward of the first probe chunk: (name, unit axis, kind, value signature) of
-        every reading and model output, and (Output, signature) of each reading."""
-        seen = []
+        every reading and model output, (Output, signature) of each reading, and (with `check`)
+        whether every tensor a batch would hold (`batchable`) was, at the forward's end, bit for bit
+        what it was when read: nothing changed it in place, so holding it for a batch reads what
+        reading it at once does (checked on copies of at most TRIAL_HOLD bytes: beyond, no batches)."""
+        seen, kept, size = [], [], 0
 
         def note(o: Output) -> None:
+            nonlocal size
             seen.append((o, _signature(o.tensor)))
+            if check and self.batchable(o) and size <= TRIAL_HOLD:
+                kept.append((o.tensor, o.tensor.clone()))
+                size += o.tensor.nbytes
             o.tensor = o.tensor.ndim  # the ndim is all the checks need: activations are not held
         trace.sink = note
         try:
@@ -187,8 +220,10 @@ class ProbeForward:
                 if isinstance(self.probe.value, dict) and "keyword argument" in first else ""
             raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
                              f"{type(e).__name__}: {first}{hint}") from e
+        unchanged = check and size <= TRIAL_HOLD and all(torch.equal(t.view(torch.int32), copy.view(torch.int32))
+                                               for t, copy in kept)
         return [(o.name, o.axis, o.kind, s) for o, s in seen if o.name] + \
-            [(f"output{k}", None, None, _signature(t)) for k, t in output_tensors(result)], seen
+            [(f"output{k}", None, None, _signature(t)) for k, t in output_tensors(result)], seen, unchanged
 
     def _say_unread(self, order: list[str], selection: str | None, seen) -> None:
         """Once, at the first pass: a selection that matches nothing, and unit axes not followed."""
