@@ -88,7 +88,9 @@ class ProbeForward:
             else:
                 self._held.append((out, (out.tensor, self.axis(out), out.kind, dict(
                     layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu))))
-                self._held_bytes += out.tensor.nbytes if self.batches and self.batchable(out) else HOLD
+                # the bytes a held tensor keeps alive: its storage's (a view's may be far larger than the view)
+                self._held_bytes += out.tensor.untyped_storage().nbytes() if self.batches and self.batchable(out) \
+                    else HOLD
                 if self._held_bytes >= HOLD:
                     self._read_held()
             self._outputs.append((out, held))
