@@ -637,14 +637,27 @@ class Cleaned(nn.Module):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_a_layer_output_cleaned_in_place_afterwards_is_read_as_it_was_made(tmp_path, dtype, device):
-    """Read the moment it is made: unit 2's NaN (a NaN bias) is in the linear's reading although
-    the model zeroes it in place right after; the ReLU then reads unit 2 as the zeros it got."""
+@pytest.mark.parametrize("nan", ["from the start", "after construction"])
+def test_a_layer_output_cleaned_in_place_afterwards_is_read_as_it_was_made(tmp_path, dtype, device, nan):
+    """Read as it was made: unit 2's NaN (a NaN bias) is in the linear's reading although the model
+    zeroes it in place right after; the ReLU then reads unit 2 as the zeros it got. Also where the
+    NaN arrives only after the monitor's trial (as in training), when the zeroing changed nothing:
+    an in-place op on a held tensor spoils its batch, and the forward is read again at once."""
     torch.manual_seed(0)
     model = nn.Sequential(Cleaned()).to(device, dtype)
-    with torch.no_grad():
-        model[0].fc.bias[2] = float("nan")
-    got = rows(record(model, torch.randn(8, 4, device=device, dtype=dtype), tmp_path / "c.parquet"))
+    probe = torch.randn(8, 4, device=device, dtype=dtype)
+
+    def poison():
+        with torch.no_grad():
+            model[0].fc.bias[2] = float("nan")
+    if nan == "from the start":
+        poison()
+        got = rows(record(model, probe, tmp_path / "c.parquet"))
+    else:
+        with Monitor(model, probe, tmp_path / "c.parquet", grad_every=None) as mon:
+            poison()
+            mon.probe_reading(0)
+        got = rows(tmp_path / "c.parquet")
     assert (got["0.fc"]["nan_count"], got["0.fc"]["unit_count"]) == (8, [8, 8, 0, 8, 8, 8])
     assert got["0.fc"]["dtype"] == str(dtype).removeprefix("torch.")
     assert got["0.relu"]["nan_count"] == 0 and got["0.relu"]["unit_zero"][2] == 8

@@ -2,8 +2,10 @@
 output and activation read the moment it is made (`ForwardTrace`), chunks merged and, across
 data-parallel ranks, all-reduced. At construction the first chunk runs twice (`trial`): the
 model takes the probe, depth is forward order, and evaluation behaviour is deterministic.
-Where the trial saw that nothing changes a read tensor in place before `HOLD` bytes of them have
-gathered, the CPU float32 ones are held that long and read in one kernel batch on every thread.
+CPU float32 tensors may be held until `HOLD` bytes of them have gathered and read in one kernel
+batch on every thread: where the trial saw no in-place change of any (by version counter or
+value), and checked again at every batch: one changed in place since it was held (its version
+counter moved, its storage freed) spoils the forward, which runs again reading each at once.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ class ProbeForward:
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, object]] = []  # and the slice of units it holds (`shards`)
         self.batches = False  # read tensors held for one batch (`HOLD`): set by the trial where that is safe
-        self._held: list[tuple[Output, tuple]] = []  # those held: (Output, its `reduce_tensors` call)
+        self._held: list[tuple[Output, int | None, tuple]] = []  # (Output, version when held, `reduce_tensors` call)
         self._held_bytes = 0
+        self._spoiled = False  # a held tensor changed in place: the chunk runs again (`_chunk`)
 
     def axis(self, out: Output) -> int | None:
         if out.kind == "softmax" and out.axis is not None:
@@ -86,11 +89,10 @@ class ProbeForward:
             if isinstance(source, Pending) and source.relu is not None and self.axis(out) == self.axis(out.relu_of):
                 out.reading = relu_of(source, out.name)
             else:
-                self._held.append((out, (out.tensor, self.axis(out), out.kind, dict(
+                t, hold = out.tensor, self.batches and self.batchable(out)
+                self._held.append((out, t._version if hold else None, (t, self.axis(out), out.kind, dict(
                     layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu))))
-                # the bytes a held tensor keeps alive: its storage's (a view's may be far larger than the view)
-                self._held_bytes += out.tensor.untyped_storage().nbytes() if self.batches and self.batchable(out) \
-                    else HOLD
+                self._held_bytes += _kept_alive(t) if hold else HOLD
                 if self._held_bytes >= HOLD:
                     self._read_held()
             self._outputs.append((out, held))
@@ -101,12 +103,18 @@ class ProbeForward:
         float32 tensor, whose pass gives no ReLU's reading (that reading is taken the moment it is made)."""
         t = out.tensor
         return self.split is None and not out.feeds_relu and type(t) is torch.Tensor and not t.is_nested \
-            and t.device.type == "cpu" and t.dtype == torch.float32
+            and not t.is_inference() and t.device.type == "cpu" and t.dtype == torch.float32
 
     def _read_held(self) -> None:
-        """Read every held tensor now, in one batch."""
+        """Read every held tensor now, in one batch; if one changed in place since it was held, none
+        is read, every later one is read at once, and the forward is spoiled (`_chunk`)."""
         held, self._held, self._held_bytes = self._held, [], 0
-        for (out, _), pending in zip(held, reduce_tensors([call for _, call in held]) if held else ()):
+        if not held:
+            return
+        if any(version is not None and _changed(call[0], version) for _, version, call in held):
+            self.batches, self._spoiled = False, True
+            return
+        for (out, _, _), pending in zip(held, reduce_tensors([call for _, _, call in held])):
             out.reading = pending
 
     def _skipped_slice(self, name: str, why: str) -> None:
@@ -145,10 +153,7 @@ class ProbeForward:
         share = (split.rank, split.size) if split else (0, 1) if self.pipeline is not None else (self.rank, self.world)
         with self.evaluation():
             for chunk in self.probe.chunks(*share, self.chunk):
-                self._outputs, self._held, self._held_bytes = [], [], 0
-                with self.trace:
-                    self.call(chunk, self.trace)
-                self._read_held()
+                self._chunk(chunk)
                 for out, tag in self._outputs:
                     out.reading.layer = out.name  # the name the trace settled on, once the chunk ran
                     held[out.name] = tag
@@ -164,6 +169,17 @@ class ProbeForward:
         elif self.world > 1 and not split:
             readings = ranks.merge_shares(readings, self.probe.device)
         return readings
+
+    def _chunk(self, chunk) -> None:
+        """The chunk's forward under the trace, each reading in `_outputs`; run again, every tensor
+        read at once, where a held one changed in place before its batch (its reading is lost)."""
+        for _ in range(2):
+            self._outputs, self._held, self._held_bytes, self._spoiled = [], [], 0, False
+            with self.trace:
+                self.call(chunk, self.trace)
+            self._read_held()
+            if not self._spoiled:
+                return
 
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
         """Run the first probe chunk twice: (mode, the names in forward order); mode 'train' if the
@@ -202,16 +218,18 @@ class ProbeForward:
         every reading and model output, (Output, signature) of each reading, and (with `check`)
         whether every tensor a batch would hold (`batchable`) was, at the forward's end, bit for bit
         what it was when read: nothing changed it in place, so holding it for a batch reads what
-        reading it at once does (checked on copies of at most TRIAL_HOLD bytes: beyond, no batches)."""
+        reading it at once does, and no in-place op ran on it even where it changed nothing (its
+        version counter). Checked on copies of at most TRIAL_HOLD bytes: beyond that, no batches."""
         seen, kept, size = [], [], 0
 
         def note(o: Output) -> None:
             nonlocal size
             seen.append((o, _signature(o.tensor)))
-            if check and self.batchable(o) and size <= TRIAL_HOLD:
-                kept.append((o.tensor, o.tensor.clone()))
-                size += o.tensor.nbytes
-            o.tensor = o.tensor.ndim  # the ndim is all the checks need: activations are not held
+            if check and self.batchable(o):
+                size += _kept_alive(o.tensor)
+                if size <= TRIAL_HOLD:  # the tensor, its version and a copy, until the forward's end
+                    kept.append((o.tensor, o.tensor._version, o.tensor.clone()))
+            o.tensor = o.tensor.ndim  # the ndim is all the checks need: activations are not held beyond `kept`
         trace.sink = note
         try:
             with self.evaluation(), trace:
@@ -222,8 +240,9 @@ class ProbeForward:
                 if isinstance(self.probe.value, dict) and "keyword argument" in first else ""
             raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
                              f"{type(e).__name__}: {first}{hint}") from e
-        unchanged = check and size <= TRIAL_HOLD and all(torch.equal(t.view(torch.int32), copy.view(torch.int32))
-                                               for t, copy in kept)
+        unchanged = check and size <= TRIAL_HOLD and not any(
+            _changed(t, version) or not torch.equal(t.view(torch.int32), copy.view(torch.int32))
+            for t, version, copy in kept)
         return [(o.name, o.axis, o.kind, s) for o, s in seen if o.name] + \
             [(f"output{k}", None, None, _signature(t)) for k, t in output_tensors(result)], seen, unchanged
 
@@ -242,6 +261,20 @@ class ProbeForward:
             warnings.warn(f"actrace: the unit axis of {len(lost)} reading(s) cannot be followed from the "
                           f"ops that made them, so each is read as one unit (give unit_axes= to say "
                           f"which axis): {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''}", stacklevel=4)
+
+
+def _kept_alive(t: torch.Tensor) -> int:
+    """The bytes holding `t` keeps alive: its storage's (a view's may be far larger than the view)."""
+    return t.untyped_storage().nbytes()
+
+
+def _changed(t: torch.Tensor, version: int) -> bool:
+    """Whether `t` changed in place since its version counter read `version`, or its storage was
+    freed (resized below what `t` spans, as offloading and FSDP do) so that it no longer holds it."""
+    if t._version != version:
+        return True
+    span = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() < span * t.element_size()
 
 
 def _signature(t: torch.Tensor) -> float:

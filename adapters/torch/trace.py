@@ -15,7 +15,7 @@ and module hooks, global for the trace's duration, keep the module scope it happ
   `nn.MultiheadAttention`, a Hugging Face attention implementation that shows no scores, such as
   flash: `_torch_interfaces`), per position of the LM head, per expert of a router's top-k;
 - repeated names in one forward get `#2`, `#3`, ...
-Each tensor is read the moment it is made, before any in-place change. Unit axes come from
+Each tensor is handed to the sink the moment it is made, before any in-place change. Unit axes come from
 `_torch_axes.Axes`. A module whose ops read no activation when last called so runs untraced in
 later probe forwards (`ForwardTrace.plan`): its modules' hooks read their outputs on the axes
 learned then, and its attention and router ops still give their derived readings; the probe's
