@@ -100,10 +100,13 @@ class ProbeForward:
 
     def batchable(self, out: Output) -> bool:
         """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain CPU
-        float32 tensor, whose pass gives no ReLU's reading (that reading is taken the moment it is made)."""
+        float32 tensor, whose pass gives no ReLU's reading (that reading is taken the moment it is made),
+        in a model run by this process alone (a spoiled forward runs again: `_chunk`; on one rank of
+        several, or one pipeline stage, its collectives would wait for the others)."""
         t = out.tensor
-        return self.split is None and not out.feeds_relu and type(t) is torch.Tensor and not t.is_nested \
-            and not t.is_inference() and t.device.type == "cpu" and t.dtype == torch.float32
+        return self.world == 1 and self.split is None and self.pipeline is None and not out.feeds_relu \
+            and type(t) is torch.Tensor and not t.is_nested and not t.is_inference() and t.device.type == "cpu" \
+            and t.dtype == torch.float32
 
     def _read_held(self) -> None:
         """Read every held tensor now, in one batch; if one changed in place since it was held, none
