@@ -12,6 +12,7 @@ import numpy as np
 from actrace.format.schema import MERGE, SCHEMA, UNIT_COLUMNS
 
 _OUTWARD = {"unit_min": -np.inf, "unit_max": np.inf, "unit_min_dev": -np.inf}  # float32 columns: round this way
+_add = functools.partial(np.add.reduce, axis=None)  # a whole array's sum by the ufunc: `.sum()` wraps it in Python
 _UNIT_DTYPES = {name: SCHEMA.field(name).type.value_type.to_pandas_dtype() for name in UNIT_COLUMNS}
 
 
@@ -76,17 +77,16 @@ class Reading:
         totals follow from them (spec §Columns). Without `per_unit` only the totals are kept.
         Float64 extremes are rounded outward to float32, so a nonzero value never becomes 0."""
         v = {k: np.asarray(x) for k, x in stats.items() if x is not None}
-        add = functools.partial(np.add.reduce, axis=None)  # the ufunc itself: `.sum()` wraps it in Python
         unit_axis = None if unit_axis is None else unit_axis % len(shape)
         r = cls(shape=tuple(int(n) for n in shape), unit_axis=unit_axis,
                 units=1 if unit_axis is None else int(shape[unit_axis]), count=math.prod(shape),
-                nan_count=int(add(v["nan_count"])), inf_count=int(add(v["inf_count"])),
-                zero_count=int(add(v["unit_zero"])), sum=float(add(v["unit_sum"])), sumsq=float(add(v["unit_sumsq"])),
+                nan_count=int(_add(v["nan_count"])), inf_count=int(_add(v["inf_count"])),
+                zero_count=int(_add(v["unit_zero"])), sum=float(_add(v["unit_sum"])), sumsq=float(_add(v["unit_sumsq"])),
                 # units with no finite value hold NaN extremes, which fmin/fmax pass over
                 min=float(np.fmin.reduce(v["unit_min"], axis=None)), max=float(np.fmax.reduce(v["unit_max"], axis=None)),
                 hist=v["hist"].astype(np.int64, copy=False) if "hist" in v else None,
-                sum3=float(add(v["unit_sum3"])) if "unit_sum3" in v else None,
-                sum4=float(add(v["unit_sum4"])) if "unit_sum4" in v else None,
+                sum3=float(_add(v["unit_sum3"])) if "unit_sum3" in v else None,
+                sum4=float(_add(v["unit_sum4"])) if "unit_sum4" in v else None,
                 sat_counts=v["sat_counts"].astype(np.int64, copy=False) if "sat_counts" in v else None, **meta)
         if per_unit:  # the backend's arrays kept where they have the column's type already (no copy)
             for name, dtype in _UNIT_DTYPES.items():
