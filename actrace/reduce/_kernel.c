@@ -470,6 +470,7 @@ INLINE void load_scores(const float *row, const int32_t *keep, int64_t k, int64_
  * (the peak, then the exponentials' sums), the row in cache the second time. `keep` holds K ints. */
 CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *keep) {
     const int64_t K = s->keys, H = s->heads, Q = s->queries, last = q + s->reach; /* the last key it may attend */
+    const int64_t span = last + 1 < K ? last + 1 : K; /* keys past `last` are never kept: not read */
     const float lowest = s->lowest;
     int64_t n = 0, first = -1;
     for (int64_t k = 0; k < K; k++) keep[k] = -(int32_t)(k <= last);
@@ -487,7 +488,7 @@ CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *k
         v8i bad = {0}, live;
         hi -= INFINITY;
         floor -= 87.0f; /* e^-87 adds nothing, and stays a normal float */
-        for (int64_t k = 0; k < K; k += 8) {
+        for (int64_t k = 0; k < span; k += 8) {
             load_scores(row, keep, k, K, &v, &live);
             bad |= live & (v != v);
             hi = PICK(live & (v > hi), v, hi);
@@ -500,7 +501,7 @@ CLONED static void score_query(const Scores *s, int64_t b, int64_t q, int32_t *k
             s->entropy[out] = s->sink[out] = NAN;
             continue;
         }
-        for (int64_t k = 0; k < K; k += 8) {
+        for (int64_t k = 0; k < span; k += 8) {
             v8f d, e;
             load_scores(row, keep, k, K, &v, &live);
             d = v - peak;

@@ -39,9 +39,14 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, to
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
         peak, entropy, sink, n = _per_head(x, lowest)
-    rows, wide = n >= 1, n >= 2  # [B, Q]: queries with a key, with two or more
-    return {"attention_logit": torch.as_tensor(peak[rows]), "attention_entropy": torch.as_tensor(entropy[wide]),
-            "attention_sink": torch.as_tensor(sink[rows])}
+    return {"attention_logit": _where(peak, n >= 1), "attention_entropy": _where(entropy, n >= 2),
+            "attention_sink": _where(sink, n >= 1)}
+
+
+def _where(per_query, rows) -> torch.Tensor:
+    """`[B, Q, H]` numbers of the queries `rows` (`[B, Q]`) marks, as `[queries, H]`: a view where
+    every query is marked (the usual case; boolean indexing copies)."""
+    return torch.as_tensor(per_query.reshape(-1, per_query.shape[-1]) if bool(rows.all()) else per_query[rows])
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
@@ -145,17 +150,17 @@ def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tor
     key head serving each of its group of query heads (grouped-query attention)."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
+    return _scores(q, k, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
-    softmax of `attention` takes slot 0, its masked scores slot 2)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`scale`·q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1:
+    the softmax of `attention` takes slot 0, its masked scores slot 2)."""
     *lead, lq, d = q.shape
-    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1)
-    torch.bmm(q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
-              out=out.view(-1, lq, k.shape[-2]))
-    return out
+    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1).view(-1, lq, k.shape[-2])
+    torch.baddbmm(out, q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
+                  beta=0, alpha=scale, out=out)
+    return out.view(*lead, lq, k.shape[-2])
 
 
 def _masked(x: torch.Tensor, mask, allowed: bool) -> torch.Tensor:

@@ -131,7 +131,8 @@ class ProbeForward:
         """Eval mode and no_grad for a probe forward; the modules' own modes restored afterwards, and
         FSDP's parameters sharded again."""
         modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+        if any(training for _, training in modes):  # eval() walks every module again: only where one trains
+            self.model.eval()
         try:
             with torch.no_grad():
                 yield

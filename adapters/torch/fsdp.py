@@ -35,8 +35,8 @@ def reshard(model: nn.Module) -> None:
     forward would run on the weights before that step (and FSDP2's module would hold its gathered
     parameters, not the sharded ones the optimizer steps); freed, they are gathered anew, as after
     a backward."""
-    if not torch.distributed.is_available():
-        return
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return  # FSDP runs only in a process group
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
