@@ -365,10 +365,13 @@ def test_two_gloo_ranks_record_what_one_process_records(tmp_path):
 
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    subprocess.run([sys.executable, script, "0", "1", tmp_path / "single.parquet", port], check=True)
+    def free_port() -> str:  # one per run: the single run's port may still be held (TIME_WAIT) after it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return str(s.getsockname()[1])
+
+    subprocess.run([sys.executable, script, "0", "1", tmp_path / "single.parquet", free_port()], check=True)
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, script, str(r), "2", tmp_path / "ddp.parquet", port],
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     said = [p.communicate(timeout=HUNG)[1] for p in procs]

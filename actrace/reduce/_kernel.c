@@ -338,6 +338,7 @@ typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or
                        * zeroed by the caller */
     float *f32;       /* per piece: min, max, min |x - centre| */
     int64_t *i64;     /* per piece: zero, finite, rzero, then hist (n_bins) and nan, inf; zeroed */
+    double *totals;   /* or NULL: the whole tensor's sum, sumsq, cube and fourth-power sums, min, max, zeros */
 } Job;
 
 typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
@@ -399,6 +400,15 @@ static void merge_rows(const Bins *b, Job *j) {
     }
     for (int64_t u = 0; u < units; u++)
         if (j->i64[units + u] == 0) j->f32[u] = j->f32[units + u] = j->f32[2 * units + u] = NAN;
+    if (j->totals) { /* the layer's totals, so the caller need not reduce every column again */
+        double t[7] = {0, 0, 0, 0, NAN, NAN, 0};
+        for (int64_t u = 0; u < units; u++) {
+            t[0] += j->f64[u]; t[1] += j->f64[units + u]; t[2] += j->f64[4 * units + u]; t[3] += j->f64[5 * units + u];
+            t[4] = fmin(t[4], j->f32[u]); t[5] = fmax(t[5], j->f32[units + u]); /* a unit's NaN is passed over */
+            t[6] += (double)j->i64[u];
+        }
+        memcpy(j->totals, t, sizeof t);
+    }
 }
 
 /* Take pieces of jobs until none is left. Any number of threads may run it on one batch at once:
@@ -541,7 +551,7 @@ static const int64_t layout[] = {
     offsetof(Bins, n_bins),
     sizeof(Job), offsetof(Job, x), offsetof(Job, before), offsetof(Job, units), offsetof(Job, after),
     offsetof(Job, centre), offsetof(Job, pieces), offsetof(Job, relu), offsetof(Job, hist), offsetof(Job, done),
-    offsetof(Job, f64), offsetof(Job, f32), offsetof(Job, i64),
+    offsetof(Job, f64), offsetof(Job, f32), offsetof(Job, i64), offsetof(Job, totals),
     sizeof(Batch), offsetof(Batch, bins), offsetof(Batch, jobs), offsetof(Batch, n), offsetof(Batch, next),
     sizeof(Scores), offsetof(Scores, x), offsetof(Scores, batch), offsetof(Scores, heads), offsetof(Scores, queries),
     offsetof(Scores, keys), offsetof(Scores, reach), offsetof(Scores, lowest), offsetof(Scores, peak), offsetof(Scores, entropy),

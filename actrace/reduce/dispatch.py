@@ -27,7 +27,7 @@ def relu_stats(stats: dict, sums: dict) -> dict:
     come from the kernel (`sums`, the pass's "relu"); min, max and min |h| follow from x's;
     values <= 0 land in zero's bin."""
     lo = np.maximum(stats["unit_min"], 0)
-    relu = {**{k: v for k, v in stats.items() if k != "sat_counts"}, **sums, "unit_min": lo,
+    relu = {**{k: v for k, v in stats.items() if k not in ("sat_counts", "totals")}, **sums, "unit_min": lo,
             "unit_max": np.maximum(stats["unit_max"], 0), "unit_min_dev": lo}
     if stats.get("hist") is not None:
         hist = relu["hist"] = stats["hist"].copy()

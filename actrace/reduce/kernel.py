@@ -29,7 +29,7 @@ class _Bins(ctypes.Structure):
 class _Job(ctypes.Structure):  # Job in _kernel.c
     _fields_ = [("x", _P), ("before", _I64), ("units", _I64), ("after", _I64), ("centre", ctypes.c_float)] + \
         [(name, ctypes.c_int32) for name in ("pieces", "relu", "hist", "done")] + \
-        [("f64", _P), ("f32", _P), ("i64", _P)]
+        [("f64", _P), ("f32", _P), ("i64", _P), ("totals", _P)]
 
 
 class _Batch(ctypes.Structure):
@@ -126,19 +126,21 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     before, units, after = x3.shape
     cut = x3.size >= SPLIT and (before >= threads or (before, units) == (1, 1))
     pieces = threads if cut else 1
-    # the outputs in one zeroed allocation (one call instead of three: this runs per tensor read)
+    # the outputs in one zeroed allocation (one call instead of three: this runs per tensor read),
+    # the tensor's 7 totals (`reduce_many`) first
     n64, nint = pieces * F64_ROWS * units, pieces * (3 * units + bins.N_BINS + 2)
-    block = np.zeros(8 * (n64 + nint) + 4 * pieces * 3 * units, np.uint8)
+    block = np.zeros(8 * (7 + n64 + nint) + 4 * pieces * 3 * units, np.uint8)
     at = _address(block)
-    f64 = block[: 8 * n64].view(np.float64).reshape(pieces, F64_ROWS, units)
-    i64 = block[8 * n64: 8 * (n64 + nint)].view(np.int64).reshape(pieces, -1)
-    f32 = block[8 * (n64 + nint):].view(np.float32).reshape(pieces, 3, units)
+    f64 = block[56: 8 * (7 + n64)].view(np.float64).reshape(pieces, F64_ROWS, units)
+    i64 = block[8 * (7 + n64): 8 * (7 + n64 + nint)].view(np.int64).reshape(pieces, -1)
+    f32 = block[8 * (7 + n64 + nint):].view(np.float32).reshape(pieces, 3, units)
     job = _Job(_address(x3), before, units, after, centre, pieces, relu, histogram, 0,
-               at, at + 8 * (n64 + nint), at + 8 * n64)
+               at + 56, at + 8 * (7 + n64 + nint), at + 8 * (7 + n64), at)
     (d, f, i) = (f64[0], f32[0], i64[0])
     out = {"unit_sum": d[0], "unit_sumsq": d[1], "unit_min": f[0], "unit_max": f[1], "unit_min_dev": f[2],
            "unit_zero": i[:units], "unit_count": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None,
            "nan_count": i[-2:-1], "inf_count": i[-1:], "unit_sum3": d[4], "unit_sum4": d[5],
+           "totals": block[:56].view(np.float64),
            "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units], "unit_sum3": d[6],
                     "unit_sum4": d[7]} if relu else None}
     return job, out
@@ -187,7 +189,8 @@ def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
     """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
-    and large tensors cut in pieces, are shared among the threads."""
+    and large tensors cut in pieces, are shared among the threads. Each result also holds `totals`:
+    the tensor's sum, sum of squares, of cubes and of fourth powers, min, max and zeros."""
     if not tasks:
         return []
     threads = _threads()
