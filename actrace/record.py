@@ -6,6 +6,7 @@ close), the layers' forward order, the include/exclude patterns and the run's st
 from __future__ import annotations
 
 import fnmatch
+import functools
 import gc
 import warnings
 from contextlib import contextmanager
@@ -13,9 +14,18 @@ from contextlib import contextmanager
 from actrace.files.writer import Writer, script_options
 
 
-def patterns(p) -> list[str]:
+def patterns(p) -> tuple[str, ...]:
     """Glob patterns as given: one string, a sequence of them, or None."""
-    return [] if p is None else [p] if isinstance(p, str) else list(p)
+    return () if p is None else (p,) if isinstance(p, str) else tuple(p)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def selected(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    """Whether `name` matches one of `include` (if any) and none of `exclude`: decided once per
+    name, as a probe reading asks it of every layer."""
+    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in exclude)
 
 
 @contextmanager
@@ -60,9 +70,7 @@ class Recorder:
 
     def wanted(self, name: str) -> bool:
         """Whether a reading of this name is recorded (`include`, then `exclude`)."""
-        if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
-            return False
-        return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+        return selected(name, self.include, self.exclude)
 
     def order(self, name: str) -> int:
         """The layer's `layer_index`: the order layers were first met in, the forward's when the

@@ -71,7 +71,7 @@ class Monitor(Recorder):
                                     self.pipeline, runner(wrapped))
         selective = include or exclude or types
         mode, order = self.forward.trial(
-            f"include={self.include} exclude={self.exclude} types={types}" if selective else None)
+            f"include={list(self.include)} exclude={list(self.exclude)} types={types}" if selective else None)
         trace = self.forward.trace  # layers with parameters of their own, for gradient and parameter readings
         flat = FlatShards(self.forward.runner)  # FSDP1's parameters, held in pieces of their units' shards
         self.layers = {name: (m, k) for m, path in trace.paths.items() if (k := trace.kinds[m])

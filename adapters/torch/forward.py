@@ -41,6 +41,7 @@ class ProbeForward:
         self.runner = runner or model  # what a probe forward calls: `model`, or a wrapper that must run (FSDP1)
         self.histogram, self.chunk, self.rank, self.world, self.split = histogram, chunk, rank, world, split
         self.pipeline = pipeline  # a `Pipeline`: this rank's stage of the model
+        self.alone = world == 1 and split is None and pipeline is None  # no other process runs the model with it
         self.trace = ForwardTrace(model, self._read, wanted, heads, split is not None, replay=pipeline is None)
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, object]] = []  # and the slice of units it holds (`shards`)
@@ -104,9 +105,8 @@ class ProbeForward:
         in a model run by this process alone (a spoiled forward runs again: `_chunk`; on one rank of
         several, or one pipeline stage, its collectives would wait for the others)."""
         t = out.tensor
-        return self.world == 1 and self.split is None and self.pipeline is None and not out.feeds_relu \
-            and type(t) is torch.Tensor and not t.is_nested and not t.is_inference() and t.device.type == "cpu" \
-            and t.dtype == torch.float32
+        return self.alone and not out.feeds_relu and type(t) is torch.Tensor and t.dtype == torch.float32 \
+            and t.is_cpu and not t.is_nested and not t.is_inference()
 
     def _read_held(self) -> None:
         """Read every held tensor now, in one batch; if one changed in place since it was held, none

@@ -597,8 +597,8 @@ class ForwardTrace(TorchFunctionMode):
             name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
-            if self.wanted(name, frame.module) and self.shards is not None and is_dtensor(t) \
-                    and _parallelized(frame.module):  # read once its own hook has made it local
+            if self.shards is not None and is_dtensor(t) and _parallelized(frame.module) \
+                    and self.wanted(name, frame.module):  # read once its own hook has made it local
                 self.shards.hold(frame.module, t, self.axes.of(t), (name, kind, module_bounds(frame.module)))
             elif self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
