@@ -319,8 +319,10 @@ class Block(nn.Module):
     def __init__(self, attend: bool):
         super().__init__()
         self.fc, self.relu, self.out, self.attend = nn.Linear(6, 6), nn.ReLU(), nn.Tanh(), attend
+        self.seen = []
 
     def forward(self, x):
+        self.seen.append(traced())
         h = self.relu(self.fc(x).transpose(1, 2)).add_(1.0)  # [B, C = 6, T = 5]; read before the add_
         if self.attend:
             k = x[:, None, :, :4].expand(-1, 2, -1, -1)
@@ -330,9 +332,9 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize("attend", [False, True])
 def test_a_module_whose_ops_read_nothing_replays_and_its_modules_read_as_when_traced(tmp_path, attend):
-    """After the trial's first pass the model's ops run untraced (the trace sees them, following
-    none): its modules' hooks still read them on the unit axis the ops moved them to, and the SDPA
-    inside still gives its derived readings."""
+    """After the trial's first pass the model's ops run untraced, with the trace's mode off: its
+    modules' hooks still read them on the unit axis the ops moved them to, and the SDPA inside
+    still gives its derived readings (seen through `torch.nn.functional`)."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(attend))
     kill(model[0].fc.bias, 2)
@@ -345,6 +347,8 @@ def test_a_module_whose_ops_read_nothing_replays_and_its_modules_read_as_when_tr
         assert got == [(1, 6)] * 3, layer  # T = 5, C = 6: only the transpose tells
     assert dead(tmp_path / "b.parquet", "0.relu") == [2 / 6] * 3
     assert any(isinstance(key, tuple) and key[0] is model for key in mon.forward.trace.plan)  # it replayed
+    assert model[0].seen == [True, False] + [False] * 3  # the trial's passes, then three readings
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # put back
     derived = {(r["layer"], r["step"]): r for r in table if r["layer"].startswith("0.attention")}
     assert len(derived) == (9 if attend else 0)
     for (layer, _), r in derived.items():
@@ -379,6 +383,39 @@ def test_a_module_whose_calls_differ_with_the_data_is_traced_not_replayed_off_it
     got = [(r["layer"], r["unit_axis"], r["units"]) for r in actrace.read_table(path).to_pylist()
            if r["stream"] == "activation"]
     assert got == [("g.a", 1, 4), ("g.b", 1, 4)] * 3
+
+
+class FastPath(nn.Module):
+    """A block that, where no torch-function mode is on, takes a fused path around its modules (as
+    `nn.TransformerEncoderLayer` does), and records which path it took."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.seen = nn.Linear(6, 6), nn.Tanh(), []
+
+    def forward(self, x):
+        self.seen.append(traced())
+        return self.act(self.fc(x)) if traced() else torch.tanh(F.linear(x, self.fc.weight, self.fc.bias))
+
+
+def test_a_module_that_takes_another_path_without_the_mode_replays_with_it_on(tmp_path):
+    """Replayed with the mode off, the block takes its fused path and its modules never run: the
+    trial sees readings missing, runs once more with the block replayed with the mode on, and
+    every reading holds both layers, as traced."""
+    torch.manual_seed(0)
+    model, probe = nn.Sequential(FastPath()), torch.randn(4, 6)
+    with Monitor(model, probe, tmp_path / "p.parquet", grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    assert model[0].seen == [True, False, True] + [True] * 3  # the trial's three passes, then three readings
+    off = {key[0]: entry[3] for key, entry in mon.forward.trace.plan.items() if isinstance(entry, tuple)}
+    assert off[model] is False  # the model (the outermost module replayed) with the mode on from now on
+    got = [(r["layer"], r["units"], r["sum"]) for r in actrace.read_table(tmp_path / "p.parquet").to_pylist()
+           if r["stream"] == "activation"]
+    with torch.no_grad():
+        h = model[0].fc(probe)
+    want = [("0.fc", 6, pytest.approx(h.sum().item(), abs=1e-5)), ("0.act", 6, pytest.approx(h.tanh().sum().item(), abs=1e-5))]
+    assert got == want * 3
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -193,9 +193,15 @@ class ProbeForward:
         trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
                              self.split is not None, replay=self.trace.plan is not None)
         first, _, _ = self._pass(trace, check=False)
+        amended = trace.amended
         second, seen, unchanged = self._pass(trace)
-        if trace.plan and [a[:3] for a in first] != [b[:3] for b in second]:
-            trace.plan = None  # a module's insides mattered after all (a tensor it made escaped): trace them
+        for again in (trace.amended > amended, False):
+            if not trace.plan or [a[:3] for a in first] == [b[:3] for b in second]:
+                break
+            if not again:  # a module's insides mattered after all (a tensor it made escaped): trace them
+                trace.plan = None
+            # (once more, first, where that pass amended the plan: a module that took a fast path
+            # with the mode off replays with it on, one whose calls differed is traced)
             second, seen, unchanged = self._pass(trace)
         self.trace.plan = trace.plan
         self.batches = unchanged

@@ -55,6 +55,10 @@ OPAQUE: dict[type, tuple] = {
     nn.Hardtanh: (SAME, None), nn.ReLU6: (SAME, None),  # clamps, whose kind `module_kind` takes from their bounds
 }
 
+# `torch.nn` modules whose forward takes a fused fast path that skips their submodules where no
+# torch-function mode is on: a module holding one is replayed with the trace's mode on (`trace`)
+MODE_AWARE = (nn.TransformerEncoder, nn.TransformerEncoderLayer)
+
 
 def module_kind(module: nn.Module) -> str | None:
     """The spec's kind of a module's output, or None for a module that is not read (containers,

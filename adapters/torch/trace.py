@@ -19,16 +19,21 @@ Each tensor is handed to the sink the moment it is made, before any in-place cha
 `_torch_axes.Axes`. A module whose ops read no activation when last called so runs untraced in
 later probe forwards (`ForwardTrace.plan`): its modules' hooks read their outputs on the axes
 learned then, and its attention and router ops still give their derived readings; the probe's
-trial checks the replay reads every layer as tracing does.
+trial checks the replay reads every layer as tracing does. Such a module whose only such op is
+SDPA runs with the mode off, its SDPA calls seen through `torch.nn.functional` (wrapped while the
+trace is on), unless it holds a module known to take another path then (`MODE_AWARE`) or did.
 """
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import threading
 import warnings
 from dataclasses import dataclass, fields, is_dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import overrides
 from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
@@ -38,7 +43,7 @@ from actrace.format.schema import ATTENTION_KINDS, LOGIT_KINDS, PER_UNIT_KINDS, 
 
 from . import derived, interfaces
 from .axes import LOST, QUERIES, Axes, arg, op_name
-from .kinds import ACTIVATIONS, OPAQUE, SAME, attends, function_kind, module_bounds, module_kind, routes
+from .kinds import ACTIVATIONS, MODE_AWARE, OPAQUE, SAME, attends, function_kind, module_bounds, module_kind, routes
 from .recurrent import RECURRENT
 from .recurrent import parts as recurrent_parts
 from .recurrent import readings as recurrent_readings
@@ -125,7 +130,7 @@ class _Frame:
         self.replay = None   # its plan entry (`ForwardTrace.plan`), replayed: its ops run untraced
         self.events = 0      # the trace's count of op events when it was entered
         self.exits = 0       # the trace's count of module exits then
-        self.derived = 0     # and of ops that gave derived readings
+        self.derived = 0     # and of ops that gave derived readings (`ForwardTrace.derived`'s length)
         self.inside = 0      # replayed: the exits of the modules inside it so far
 
 
@@ -134,6 +139,7 @@ class _Unknown(Exception):
 
 
 DERIVED_OPS = frozenset({"scaled_dot_product_attention", "softmax", "topk"})  # `_derived_of_call`'s
+SDPA = frozenset({"scaled_dot_product_attention"})  # the one a replayed module with the mode off still sees
 
 
 class ForwardTrace(TorchFunctionMode):
@@ -158,13 +164,15 @@ class ForwardTrace(TorchFunctionMode):
         # no ReLU pass shared) runs untraced, the axes and makers of its modules' outputs as learned
         # then; their hooks still read them, and its derived readings are still taken: the per-op
         # cost of its insides paid once, not at every probe reading (`plan`: call key → (exits of the
-        # modules inside, in order; its outputs' states; whether an op inside gave derived readings);
-        # a module → False once its ops read: it is not learned again)
+        # modules inside, in order; its outputs' states; the ops inside that gave derived readings;
+        # whether it may run with the mode off); a module → False once its ops read: it is not learned again)
         self.plan: dict | None = {} if replay and not split else None
+        self.amended = 0  # replays that went otherwise than learned, so far (`_replayed`)
         self.quiet = {m for m in self.paths if type(m) not in OPAQUE and type(m) not in RECURRENT}
+        self.mode_aware = {m for m in self.quiet if any(isinstance(sub, MODE_AWARE) for sub in m.modules())}
         self.taken = 0    # names taken so far
         self.events = 0   # ops that read an activation or shared a ReLU pass, so far
-        self.derived = 0  # ops that gave derived readings, so far
+        self.derived: list[str] = []  # the ops that gave derived readings so far, by name
         self.exits: list[tuple] = []  # (module, its outputs' states) at each module's exit while one learns
         self.learning = 0  # frames on the stack whose call is being learned
         self.region: _Frame | None = None  # the module replayed now
@@ -176,6 +184,8 @@ class ForwardTrace(TorchFunctionMode):
         self.failed: set[str] = set()  # scopes whose derived readings could not be computed (said once)
         self._hooks, self._paused = [], []
         self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
+        self._sdpa = None  # torch.nn.functional's SDPA, wrapped while the trace is on (`_sdpa_call`)
+        self._thread = None  # the thread the trace's forward runs in
         self._inside_interface = 0  # calls of such an implementation running: their scores are read already
         # our own torch calls between the model's (readings, derived): not dispatched through this
         # mode, unless a tensor subclass must see them (tensor parallel's DTensors)
@@ -185,7 +195,8 @@ class ForwardTrace(TorchFunctionMode):
 
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
-        self.exits, self.region, self.learning = [], None, 0
+        self.exits, self.region, self.learning, self.derived = [], None, 0, []
+        self._thread = threading.get_ident()
         self.shards = Shards() if self.split else None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
@@ -194,6 +205,9 @@ class ForwardTrace(TorchFunctionMode):
             self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet
                             if self.plan.get(m) is not False]
         self._registry = interfaces.wrap_registry(self._interface)
+        if self.plan is not None:
+            self._sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = functools.wraps(self._sdpa)(functools.partial(self._sdpa_call, self._sdpa))
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
         return super().__enter__()
@@ -205,7 +219,9 @@ class ForwardTrace(TorchFunctionMode):
             for h in self._hooks:
                 h.remove()
             interfaces.restore(self._registry)
-            self._hooks, self.stack, self._registry = [], [], {}
+            if self._sdpa is not None:
+                F.scaled_dot_product_attention = self._sdpa
+            self._hooks, self.stack, self._registry, self._sdpa = [], [], {}, None
             # a signal's exception (Ctrl-C, SIGTERM) raised while torch ran an op's handler leaves
             # the mode off the stack already: popping again would replace that exception with its own
             if exc[0] is None or any(m is self for m in _get_current_function_mode_stack()):
@@ -257,8 +273,23 @@ class ForwardTrace(TorchFunctionMode):
         """An op that may give derived readings, in a probe forward: under the scope it runs in."""
         frame = self.stack[-1] if self.stack else None
         if frame is not None and not torch.is_grad_enabled():
-            self.derived += 1
+            self.derived.append(name)
             self._derived_of_call(frame, name, args, kwargs, out)
+
+    def _sdpa_call(self, sdpa, *args, **kwargs):
+        """`F.scaled_dot_product_attention` while the trace is on: in a module replayed with the mode
+        off (`_enter_quiet`), in the trace's thread, its derived readings, as the mode gives them
+        where it is on."""
+        out = sdpa(*args, **kwargs)
+        region = self.region
+        if region is not None and region.paused and "scaled_dot_product_attention" in region.replay[2] \
+                and not self._busy and threading.get_ident() == self._thread:
+            self._busy = True
+            try:
+                self._derived("scaled_dot_product_attention", args, kwargs, out)
+            finally:
+                self._busy = False
+        return out
 
     def _before(self, relu: bool, args) -> Output | None:
         """Sink the open output before any op runs; if the op is a ReLU of exactly that tensor, the
@@ -434,14 +465,13 @@ class ForwardTrace(TorchFunctionMode):
         with self._own():  # its inputs' shapes and dtypes: no op of the model's
             frame.key = self._call_key(module, args, kwargs)
         frame.replay = self.plan.get(frame.key)
-        frame.events, frame.exits, frame.derived = self.events, len(self.exits), self.derived
+        frame.events, frame.exits, frame.derived = self.events, len(self.exits), len(self.derived)
         if frame.replay is not None:
             self._before(False, args)
             self.region = frame
-            # a leaf with no op giving a derived reading runs with the mode off; any other keeps it on
-            # (following nothing), as when it was learned: code that checks for a mode (nn.TransformerEncoder's
-            # fast path) takes the same path
-            if frame.leaf and not frame.replay[2]:
+            # with the mode off where its only derived op is SDPA (`_sdpa_call` sees that), no module
+            # inside checks for a mode, and that took no other path than learned; else on, following nothing
+            if frame.replay[3] and frame.replay[2] <= SDPA and module not in self.mode_aware:
                 frame.paused = overrides._pop_mode() is self
         elif frame.key is not None:
             self.learning += 1
@@ -492,7 +522,7 @@ class ForwardTrace(TorchFunctionMode):
             self.learning -= 1
             if self.events == frame.events:
                 self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
-                                        self.derived != frame.derived)
+                                        frozenset(self.derived[frame.derived:]), True)
             else:
                 self.plan[frame.module] = False
         if self.learning:
@@ -531,13 +561,18 @@ class ForwardTrace(TorchFunctionMode):
 
     def _replayed(self, frame: _Frame, outputs: list) -> None:
         """A quiet module run untraced: its outputs' axes and makers as learned. A call the plan
-        did not foresee (other modules inside, other outputs) is traced from then on (the trial
-        sees that)."""
+        did not foresee (other modules inside, other outputs) is traced from then on, or, where it
+        ran with the mode off, replayed with it on (code that checks for a mode took another path);
+        the trial sees that."""
         self.region = None
-        exits, states, _ = frame.replay
+        exits, states, ops, _ = frame.replay
         if not self._restore(outputs, states if frame.inside == len(exits) else None):
-            del self.plan[frame.key]
-            self.plan[frame.module] = False  # its calls differ with the data
+            self.amended += 1
+            if frame.paused:
+                self.plan[frame.key] = (exits, states, ops, False)
+            else:
+                del self.plan[frame.key]
+                self.plan[frame.module] = False  # its calls differ with the data
 
     def _restore(self, outputs: list, states: list | None) -> bool:
         """Give a replayed call's outputs their learned states (None: off the plan); where they are
