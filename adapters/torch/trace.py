@@ -119,7 +119,7 @@ class Output:
 
 class _Frame:
     __slots__ = ("path", "module", "kind", "leaf", "last", "paused", "source", "key", "replay", "events", "exits",
-                 "derived", "inside", "shown")
+                 "derived", "inside")
 
     def __init__(self, path, module, kind, leaf):
         self.path, self.module, self.kind, self.leaf = path, module, kind, leaf
@@ -132,7 +132,6 @@ class _Frame:
         self.exits = 0       # the trace's count of module exits then
         self.derived = 0     # and of ops that gave derived readings (`ForwardTrace.derived`'s length)
         self.inside = 0      # replayed: the exits of the modules inside it so far
-        self.shown = False   # an SDPA inside gave its scope's attention readings (an MHA's own, `_sdpa_call`)
 
 
 class _Unknown(Exception):
@@ -186,7 +185,6 @@ class ForwardTrace(TorchFunctionMode):
         self._hooks, self._paused = [], []
         self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
         self._sdpa = None  # torch.nn.functional's SDPA, wrapped while the trace is on (`_sdpa_call`)
-        self._fastpath = True  # the MHA fast path's setting, turned off while the trace is on
         self._thread = None  # the thread the trace's forward runs in
         self._inside_interface = 0  # calls of such an implementation running: their scores are read already
         # our own torch calls between the model's (readings, derived): not dispatched through this
@@ -207,9 +205,9 @@ class ForwardTrace(TorchFunctionMode):
             self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet
                             if self.plan.get(m) is not False]
         self._registry = interfaces.wrap_registry(self._interface)
-        self._sdpa, self._fastpath = F.scaled_dot_product_attention, torch.backends.mha.get_fastpath_enabled()
-        F.scaled_dot_product_attention = functools.wraps(self._sdpa)(functools.partial(self._sdpa_call, self._sdpa))
-        torch.backends.mha.set_fastpath_enabled(False)  # an MHA's own path, whose SDPA hands its q and k over
+        if self.plan is not None:
+            self._sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = functools.wraps(self._sdpa)(functools.partial(self._sdpa_call, self._sdpa))
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
         return super().__enter__()
@@ -223,7 +221,6 @@ class ForwardTrace(TorchFunctionMode):
             interfaces.restore(self._registry)
             if self._sdpa is not None:
                 F.scaled_dot_product_attention = self._sdpa
-                torch.backends.mha.set_fastpath_enabled(self._fastpath)
             self._hooks, self.stack, self._registry, self._sdpa = [], [], {}, None
             # a signal's exception (Ctrl-C, SIGTERM) raised while torch ran an op's handler leaves
             # the mode off the stack already: popping again would replace that exception with its own
@@ -280,13 +277,12 @@ class ForwardTrace(TorchFunctionMode):
             self._derived_of_call(frame, name, args, kwargs, out)
 
     def _sdpa_call(self, sdpa, *args, **kwargs):
-        """`F.scaled_dot_product_attention` while the trace is on, in its thread: its derived readings
-        where the mode is off and would not see it: in a module replayed so (`_enter_quiet`), and in an
-        `nn.MultiheadAttention` run as one op (its own path, whose queries and keys need no recomputing)."""
+        """`F.scaled_dot_product_attention` while the trace is on: in a module replayed with the mode
+        off (`_enter_quiet`), in the trace's thread, its derived readings, as the mode gives them
+        where it is on."""
         out = sdpa(*args, **kwargs)
-        region, frame = self.region, self.stack[-1] if self.stack else None
-        if (region is not None and region.paused and "scaled_dot_product_attention" in region.replay[2]
-                or frame is not None and frame.paused and isinstance(frame.module, torch.nn.MultiheadAttention)) \
+        region = self.region
+        if region is not None and region.paused and "scaled_dot_product_attention" in region.replay[2] \
                 and not self._busy and threading.get_ident() == self._thread:
             self._busy = True
             try:
@@ -332,7 +328,6 @@ class ForwardTrace(TorchFunctionMode):
         if self._inside_interface and name in ("scaled_dot_product_attention", "softmax"):
             return
         if name == "scaled_dot_product_attention":
-            frame.shown = True
             self._derive(frame.path, frame.module, ATTENTION_KINDS,
                          lambda: derived.sdpa_attention(args, kwargs))
         elif name == "softmax" and out.ndim == 4 and arg(args, kwargs, 1, "dim") in (-1, 3) \
@@ -547,7 +542,7 @@ class ForwardTrace(TorchFunctionMode):
             self._recurrent(frame, inputs, kwargs, output)
         else:
             self._module_output(frame, output)
-        if probe and isinstance(module, torch.nn.MultiheadAttention) and not frame.shown:  # with its weights
+        if probe and isinstance(module, torch.nn.MultiheadAttention):
             self._derive(frame.path, module, ATTENTION_KINDS,
                          lambda: derived.attention(derived.mha_logits(module, inputs, kwargs)))
         logits = next((t for _, t in output_tensors(output) if t.is_floating_point()), None) \
