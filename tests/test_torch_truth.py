@@ -4,6 +4,7 @@ expected value is known by construction (units killed by a far-negative bias, ou
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -16,6 +17,7 @@ import actrace
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
+from conftest import HUNG
 
 
 # every case runs on the CPU; the ones marked with DEVICES run on CUDA too where a GPU is present
@@ -416,6 +418,72 @@ def test_a_module_that_takes_another_path_without_the_mode_replays_with_it_on(tm
         h = model[0].fc(probe)
     want = [("0.fc", 6, pytest.approx(h.sum().item(), abs=1e-5)), ("0.act", 6, pytest.approx(h.tanh().sum().item(), abs=1e-5))]
     assert got == want * 3
+
+
+def test_a_call_first_met_after_the_trial_replays_with_the_mode_on(tmp_path):
+    """Chunks of 4, 4 and 2: the last chunk's call is learned in the first reading, after the trial,
+    so nothing checked its replay with the mode off: it replays with the mode on, and the block's
+    modules read all 10 examples at every reading."""
+    torch.manual_seed(0)
+    model = nn.Sequential(FastPath())
+    with Monitor(model, torch.randn(10, 6), tmp_path / "c.parquet", grad_every=None, probe_chunk=4) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    got = [(r["layer"], r["count"]) for r in actrace.read_table(tmp_path / "c.parquet").to_pylist()
+           if r["stream"] == "activation"]
+    assert got == [("0.fc", 60), ("0.act", 60)] * 3
+
+
+class OtherBinding(Block):
+    """`Block`, its SDPA called through torch's own binding, not `torch.nn.functional`'s."""
+
+    def forward(self, x):
+        with mock.patch.object(F, "scaled_dot_product_attention", torch._C._nn.scaled_dot_product_attention):
+            return super().forward(x)
+
+
+def test_an_sdpa_called_through_another_binding_replays_with_the_mode_on(tmp_path):
+    """The SDPA a replay with the mode off would not see: the trial replays the block with the mode
+    on, and its attention readings are taken at every reading."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OtherBinding(attend=True))
+    with Monitor(model, torch.randn(4, 5, 6), tmp_path / "o.parquet", grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    assert mon.forward.trace.plan  # still replayed
+    assert model[0].seen == [True, False, True] + [True] * 3  # the trial's three passes, then three readings
+    table = actrace.read_table(tmp_path / "o.parquet").to_pylist()
+    assert [r["step"] for r in table if r["layer"] == "0.attention_entropy"] == [0, 1, 2]
+
+
+def test_two_threads_reading_at_once_leave_sdpa_as_it_was(tmp_path):
+    """Two models' probe forwards overlapping in two threads (A on, B on, A off, B off): each
+    thread's SDPA calls reach its own trace only, and `F.scaled_dot_product_attention` is torch's
+    again once both are off: A's next reading names each attention reading once."""
+    import threading
+
+    torch.manual_seed(0)
+    a, b = nn.Sequential(Block(attend=True)), nn.Sequential(Block(attend=True))
+    first = Monitor(a, torch.randn(4, 5, 6), tmp_path / "a.parquet", grad_every=None)
+    second = Monitor(b, torch.randn(4, 5, 6), tmp_path / "b.parquet", grad_every=None)
+    names = [r.layer for r in first.forward.read()]
+    b_on, a_off = threading.Event(), threading.Event()
+
+    def in_a():
+        with first.forward.trace:
+            assert b_on.wait(HUNG)
+        a_off.set()
+
+    thread = threading.Thread(target=in_a)
+    thread.start()
+    with second.forward.trace:
+        b_on.set()
+        assert a_off.wait(HUNG)
+    thread.join(HUNG)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+    assert [r.layer for r in first.forward.read()] == names and "0.attention_entropy" in names
+    first.close()
+    second.close()
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -192,16 +192,22 @@ class ProbeForward:
         kept for the readings only if it read every layer as the first pass did."""
         trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
                              self.split is not None, replay=self.trace.plan is not None)
+        trace.trial = True
         first, _, _ = self._pass(trace, check=False)
         amended = trace.amended
         second, seen, unchanged = self._pass(trace)
-        for again in (trace.amended > amended, False):
-            if not trace.plan or [a[:3] for a in first] == [b[:3] for b in second]:
-                break
-            if not again:  # a module's insides mattered after all (a tensor it made escaped): trace them
-                trace.plan = None
-            # (once more, first, where that pass amended the plan: a module that took a fast path
-            # with the mode off replays with it on, one whose calls differed is traced)
+
+        def replay_differs() -> bool:
+            return bool(trace.plan) and [a[:3] for a in first] != [b[:3] for b in second]
+
+        if replay_differs() and trace.amended > amended:  # one replayed with the mode off went otherwise: mode on
+            second, seen, unchanged = self._pass(trace)
+        if replay_differs() and any(isinstance(e, tuple) and e[3] and "scaled_dot_product_attention" in e[2]
+                                    for e in trace.plan.values()):  # an SDPA not seen with the mode off
+            trace.keep_mode()  # (called through another binding than torch.nn.functional's)
+            second, seen, unchanged = self._pass(trace)
+        if replay_differs():  # a module's insides mattered after all (a tensor it made escaped): trace them
+            trace.plan = None
             second, seen, unchanged = self._pass(trace)
         self.trace.plan = trace.plan
         self.batches = unchanged

@@ -184,8 +184,8 @@ class ForwardTrace(TorchFunctionMode):
         self.failed: set[str] = set()  # scopes whose derived readings could not be computed (said once)
         self._hooks, self._paused = [], []
         self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
-        self._sdpa = None  # torch.nn.functional's SDPA, wrapped while the trace is on (`_sdpa_call`)
-        self._thread = None  # the thread the trace's forward runs in
+        self._outer = None  # the trace this one's forward runs inside of in this thread, if any (`_sdpa_seen`)
+        self.trial = False  # the probe's trial: calls it learns may replay with the mode off (its 2nd pass checks that)
         self._inside_interface = 0  # calls of such an implementation running: their scores are read already
         # our own torch calls between the model's (readings, derived): not dispatched through this
         # mode, unless a tensor subclass must see them (tensor parallel's DTensors)
@@ -196,7 +196,6 @@ class ForwardTrace(TorchFunctionMode):
     def __enter__(self):
         self.axes, self.stack, self.calls, self.open, self.relu = Axes(), [], {}, None, None
         self.exits, self.region, self.learning, self.derived = [], None, 0, []
-        self._thread = threading.get_ident()
         self.shards = Shards() if self.split else None
         self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
                        nn_module.register_module_forward_hook(self._exit_module, with_kwargs=True,
@@ -205,9 +204,8 @@ class ForwardTrace(TorchFunctionMode):
             self._hooks += [m.register_forward_pre_hook(self._enter_quiet, with_kwargs=True) for m in self.quiet
                             if self.plan.get(m) is not False]
         self._registry = interfaces.wrap_registry(self._interface)
-        if self.plan is not None:
-            self._sdpa = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = functools.wraps(self._sdpa)(functools.partial(self._sdpa_call, self._sdpa))
+        self._outer, _here.trace = getattr(_here, "trace", None), self
+        _sdpa_wrapped(+1)
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
         return super().__enter__()
@@ -219,9 +217,9 @@ class ForwardTrace(TorchFunctionMode):
             for h in self._hooks:
                 h.remove()
             interfaces.restore(self._registry)
-            if self._sdpa is not None:
-                F.scaled_dot_product_attention = self._sdpa
-            self._hooks, self.stack, self._registry, self._sdpa = [], [], {}, None
+            _here.trace = self._outer
+            _sdpa_wrapped(-1)
+            self._hooks, self.stack, self._registry = [], [], {}
             # a signal's exception (Ctrl-C, SIGTERM) raised while torch ran an op's handler leaves
             # the mode off the stack already: popping again would replace that exception with its own
             if exc[0] is None or any(m is self for m in _get_current_function_mode_stack()):
@@ -276,20 +274,24 @@ class ForwardTrace(TorchFunctionMode):
             self.derived.append(name)
             self._derived_of_call(frame, name, args, kwargs, out)
 
-    def _sdpa_call(self, sdpa, *args, **kwargs):
-        """`F.scaled_dot_product_attention` while the trace is on: in a module replayed with the mode
-        off (`_enter_quiet`), in the trace's thread, its derived readings, as the mode gives them
-        where it is on."""
-        out = sdpa(*args, **kwargs)
+    def _sdpa_seen(self, args, kwargs, out) -> None:
+        """An `F.scaled_dot_product_attention` call in this trace's thread: in a module replayed with
+        the mode off (`_enter_quiet`), its derived readings, as the mode gives them where it is on."""
         region = self.region
         if region is not None and region.paused and "scaled_dot_product_attention" in region.replay[2] \
-                and not self._busy and threading.get_ident() == self._thread:
+                and not self._busy:
             self._busy = True
             try:
                 self._derived("scaled_dot_product_attention", args, kwargs, out)
             finally:
                 self._busy = False
-        return out
+
+    def keep_mode(self) -> None:
+        """Replay with the mode on every call whose SDPA a replay with it off would have to see
+        (`ProbeForward.trial`: one called through another binding than `torch.nn.functional`'s)."""
+        for key, entry in self.plan.items():
+            if isinstance(entry, tuple) and "scaled_dot_product_attention" in entry[2]:
+                self.plan[key] = (*entry[:3], False)
 
     def _before(self, relu: bool, args) -> Output | None:
         """Sink the open output before any op runs; if the op is a ReLU of exactly that tensor, the
@@ -469,7 +471,7 @@ class ForwardTrace(TorchFunctionMode):
         if frame.replay is not None:
             self._before(False, args)
             self.region = frame
-            # with the mode off where its only derived op is SDPA (`_sdpa_call` sees that), no module
+            # with the mode off where its only derived op is SDPA (`_sdpa_seen` sees that), no module
             # inside checks for a mode, and that took no other path than learned; else on, following nothing
             if frame.replay[3] and frame.replay[2] <= SDPA and module not in self.mode_aware:
                 frame.paused = overrides._pop_mode() is self
@@ -522,7 +524,7 @@ class ForwardTrace(TorchFunctionMode):
             self.learning -= 1
             if self.events == frame.events:
                 self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
-                                        frozenset(self.derived[frame.derived:]), True)
+                                        frozenset(self.derived[frame.derived:]), self.trial)
             else:
                 self.plan[frame.module] = False
         if self.learning:
@@ -637,6 +639,32 @@ class ForwardTrace(TorchFunctionMode):
                 self.shards.hold(frame.module, t, self.axes.of(t), (name, kind, module_bounds(frame.module)))
             elif self.wanted(name, frame.module):
                 self._sink(name, kind, module_bounds(frame.module), t, frame.module, defer=True)
+
+
+_here = threading.local()  # `trace`: the trace whose forward runs in this thread now
+_wrapped: list = [0, None]  # traces on in any thread, and the SDPA `_sdpa_call` stands in for
+_lock = threading.Lock()
+
+
+def _sdpa_wrapped(change: int) -> None:
+    """Count a trace on (+1) or off (-1): `F.scaled_dot_product_attention` is `_sdpa_call` while
+    any trace is on, in any thread, and what it was before once none is."""
+    with _lock:
+        if _wrapped[0] == 0 and change > 0:
+            _wrapped[1] = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = functools.wraps(_wrapped[1])(_sdpa_call)
+        _wrapped[0] += change
+        if _wrapped[0] == 0:
+            F.scaled_dot_product_attention = _wrapped[1]
+
+
+def _sdpa_call(*args, **kwargs):
+    """SDPA, then shown to the trace of this thread, if one is on (`ForwardTrace._sdpa_seen`)."""
+    out = _wrapped[1](*args, **kwargs)
+    trace = getattr(_here, "trace", None)
+    if trace is not None:
+        trace._sdpa_seen(args, kwargs, out)
+    return out
 
 
 def _parallelized(module: torch.nn.Module) -> bool:
