@@ -150,17 +150,17 @@ def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tor
     key head serving each of its group of query heads (grouped-query attention)."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return _scores(q, k, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    return _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """`scale`·q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1:
-    the softmax of `attention` takes slot 0, its masked scores slot 2)."""
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
+    softmax of `attention` takes slot 0, its masked scores slot 2)."""
     *lead, lq, d = q.shape
-    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1).view(-1, lq, k.shape[-2])
-    torch.baddbmm(out, q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
-                  beta=0, alpha=scale, out=out)
-    return out.view(*lead, lq, k.shape[-2])
+    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1)
+    torch.bmm(q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
+              out=out.view(-1, lq, k.shape[-2]))
+    return out
 
 
 def _masked(x: torch.Tensor, mask, allowed: bool) -> torch.Tensor:
