@@ -165,7 +165,8 @@ class ForwardTrace(TorchFunctionMode):
         # then; their hooks still read them, and its derived readings are still taken: the per-op
         # cost of its insides paid once, not at every probe reading (`plan`: call key → (exits of the
         # modules inside, in order; its outputs' states; the ops inside that gave derived readings;
-        # whether it may run with the mode off); a module → False once its ops read: it is not learned again)
+        # whether it may run with the mode off: True where the trial checked that, None where nothing
+        # did, False where it went otherwise); a module → False once its ops read: it is not learned again)
         self.plan: dict | None = {} if replay and not split else None
         self.amended = 0  # replays that went otherwise than learned, so far (`_replayed`)
         self.quiet = {m for m in self.paths if type(m) not in OPAQUE and type(m) not in RECURRENT}
@@ -471,9 +472,12 @@ class ForwardTrace(TorchFunctionMode):
         if frame.replay is not None:
             self._before(False, args)
             self.region = frame
-            # with the mode off where its only derived op is SDPA (`_sdpa_seen` sees that), no module
-            # inside checks for a mode, and that took no other path than learned; else on, following nothing
-            if frame.replay[3] and frame.replay[2] <= SDPA and module not in self.mode_aware:
+            # with the mode off where the trial checked that (its only derived op SDPA, which `_sdpa_seen`
+            # sees; no module inside that checks for a mode), or for a leaf that gives no derived reading,
+            # unless that went otherwise than learned; else on, following nothing
+            mode_off, ops = frame.replay[3], frame.replay[2]
+            if mode_off and ops <= SDPA and module not in self.mode_aware or \
+                    mode_off is None and frame.leaf and not ops:
                 frame.paused = overrides._pop_mode() is self
         elif frame.key is not None:
             self.learning += 1
@@ -524,7 +528,7 @@ class ForwardTrace(TorchFunctionMode):
             self.learning -= 1
             if self.events == frame.events:
                 self.plan[frame.key] = (self.exits[frame.exits:], [self.axes.state(t) for t in outputs],
-                                        frozenset(self.derived[frame.derived:]), self.trial)
+                                        frozenset(self.derived[frame.derived:]), self.trial or None)
             else:
                 self.plan[frame.module] = False
         if self.learning:
