@@ -186,6 +186,7 @@ class ForwardTrace(TorchFunctionMode):
         self._hooks, self._paused = [], []
         self._registry: dict = {}  # Hugging Face attention implementations wrapped while the trace is on
         self._outer = None  # the trace this one's forward runs inside of in this thread, if any (`_sdpa_seen`)
+        self._wraps = False  # whether this trace counts in `_sdpa_wrapped` now
         self.trial = False  # the probe's trial: calls it learns may replay with the mode off (its 2nd pass checks that)
         self._inside_interface = 0  # calls of such an implementation running: their scores are read already
         # our own torch calls between the model's (readings, derived): not dispatched through this
@@ -206,7 +207,8 @@ class ForwardTrace(TorchFunctionMode):
                             if self.plan.get(m) is not False]
         self._registry = interfaces.wrap_registry(self._interface)
         self._outer, _here.trace = getattr(_here, "trace", None), self
-        _sdpa_wrapped(+1)
+        self._wraps = self.plan is not None  # only a replaying trace needs SDPA shown (a training forward's has no plan)
+        _sdpa_wrapped(+self._wraps)
         if self.shards is not None:  # after each parallelized module's own hooks, which make its output local
             self._hooks += [m.register_forward_hook(self._settle_shard) for m in self.paths if _parallelized(m)]
         return super().__enter__()
@@ -219,7 +221,7 @@ class ForwardTrace(TorchFunctionMode):
                 h.remove()
             interfaces.restore(self._registry)
             _here.trace = self._outer
-            _sdpa_wrapped(-1)
+            _sdpa_wrapped(-self._wraps)
             self._hooks, self.stack, self._registry = [], [], {}
             # a signal's exception (Ctrl-C, SIGTERM) raised while torch ran an op's handler leaves
             # the mode off the stack already: popping again would replace that exception with its own
@@ -651,8 +653,10 @@ _lock = threading.Lock()
 
 
 def _sdpa_wrapped(change: int) -> None:
-    """Count a trace on (+1) or off (-1): `F.scaled_dot_product_attention` is `_sdpa_call` while
-    any trace is on, in any thread, and what it was before once none is."""
+    """Count a replaying trace on (+1) or off (-1): `F.scaled_dot_product_attention` is `_sdpa_call`
+    while any is on, in any thread, and what it was before once none is."""
+    if not change:
+        return
     with _lock:
         if _wrapped[0] == 0 and change > 0:
             _wrapped[1] = F.scaled_dot_product_attention
