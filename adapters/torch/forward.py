@@ -187,9 +187,10 @@ class ProbeForward:
 
     def trial(self, selection: str | None) -> tuple[str, list[str]]:
         """Run the first probe chunk twice: (mode, the names in forward order); mode 'train' if the
-        two passes differ. `selection` describes the include/exclude/types given, if any. The
-        second pass replays the quiet modules the first learned (`ForwardTrace.plan`): the plan is
-        kept for the readings only if it read every layer as the first pass did."""
+        first and last passes differ. `selection` describes the include/exclude/types given, if any.
+        The second pass replays the quiet modules the first learned (`ForwardTrace.plan`): the plan
+        is kept for the readings only if it read every layer as the first pass did, once those that
+        read otherwise with the mode off replay with it on (a pass more each time)."""
         trace = ForwardTrace(self.model, None, self.wanted, [self.trace.paths[m] for m in self.trace.heads],
                              self.split is not None, replay=self.trace.plan is not None)
         trace.trial = True
@@ -202,9 +203,7 @@ class ProbeForward:
 
         if replay_differs() and trace.amended > amended:  # one replayed with the mode off went otherwise: mode on
             second, seen, unchanged = self._pass(trace)
-        if replay_differs() and any(isinstance(e, tuple) and e[3] and "scaled_dot_product_attention" in e[2]
-                                    for e in trace.plan.values()):  # an SDPA not seen with the mode off
-            trace.keep_mode()  # (called through another binding than torch.nn.functional's)
+        if replay_differs() and trace.keep_mode():  # an SDPA the mode-off replay did not see: mode on
             second, seen, unchanged = self._pass(trace)
         if replay_differs():  # a module's insides mattered after all (a tensor it made escaped): trace them
             trace.plan = None

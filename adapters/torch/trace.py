@@ -289,12 +289,15 @@ class ForwardTrace(TorchFunctionMode):
             finally:
                 self._busy = False
 
-    def keep_mode(self) -> None:
-        """Replay with the mode on every call whose SDPA a replay with it off would have to see
-        (`ProbeForward.trial`: one called through another binding than `torch.nn.functional`'s)."""
-        for key, entry in self.plan.items():
-            if isinstance(entry, tuple) and "scaled_dot_product_attention" in entry[2]:
-                self.plan[key] = (*entry[:3], False)
+    def keep_mode(self) -> bool:
+        """Replay with the mode on every call that ran with it off and whose SDPA that replay had to
+        see (`ProbeForward.trial`: one called through another binding than `torch.nn.functional`'s);
+        whether there was one."""
+        keys = [key for key, entry in self.plan.items()
+                if isinstance(entry, tuple) and entry[3] and "scaled_dot_product_attention" in entry[2]]
+        for key in keys:
+            self.plan[key] = (*self.plan[key][:3], False)
+        return bool(keys)
 
     def _before(self, relu: bool, args) -> Output | None:
         """Sink the open output before any op runs; if the op is a ReLU of exactly that tensor, the
