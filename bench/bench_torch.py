@@ -13,7 +13,10 @@ side in one run:
   - forward hooks calling `.mean().item()`, `.std().item()`, `.min().item()`, `.max().item()` and
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
-  - a training step with actrace gradient readings at every step vs a plain training step.
+  - a training step with actrace gradient readings at every step vs a plain training step;
+  - on CUDA also: the probe reading with its reductions on the model's own stream (`1 stream`, not
+    the side stream), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
+    debug mode; where they happen is printed below the row when there is more than one).
 The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
 the median over rounds of the two cases' times in the same round (`paired`).
 Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer cnn-bn lstm llama-deep llama-wide]
@@ -21,16 +24,20 @@ Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--model
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import statistics
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from actrace.adapters.torch import Monitor, module_kind as layer_kind
+from actrace.reduce import torch as reductions
 from actrace.format.schema import DERIVED_KINDS
 
 NOT_DERIVED = [p for kind in DERIVED_KINDS for p in (kind, f"*.{kind}")]  # exclude= every derived reading
@@ -160,6 +167,28 @@ def tensorboard_hooks(model, writer):
     return [m.register_forward_hook(make(n)) for n, m in model.named_modules() if n and layer_kind(m)]
 
 
+def host_syncs(read) -> list[str]:
+    """Where each host sync of one call of `read` happened (CUDA's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            read()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@contextmanager
+def one_stream():
+    """Reductions on the model's own stream, as before the side stream."""
+    reductions.SIDE_STREAM = False
+    try:
+        yield
+    finally:
+        reductions.SIDE_STREAM = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -172,9 +201,9 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
+    cuda = dev.type == "cuda"
     header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'no derived':>10} {'per-stat':>9} " \
-             f"{'tensorboard':>11} " \
-             f"{'train ms':>9} {'+grads':>7}"
+             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7}" + (f" {'1 stream':>8} {'syncs':>5}" if cuda else "")
     print(header)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -211,6 +240,11 @@ def main() -> None:
                     yield lambda: mon.probe_reading(next(steps))
 
             @contextmanager
+            def on_one_stream():
+                with one_stream(), monitored() as read:
+                    yield read
+
+            @contextmanager
             def watched():
                 with Monitor(model, probe, f"{d}/g.parquet", overwrite=True, probe_every=10**9,
                              param_every=10**9, flush_every=10_000_000) as mon:
@@ -227,7 +261,11 @@ def main() -> None:
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 "+grads": watched,
+                **({"1 stream": on_one_stream} if cuda else {}),
             }, args.repeat, sync, calls)
+            if cuda:
+                with monitored() as read:
+                    syncs = host_syncs(read)
             slow = interleaved({"forward": lambda: nullcontext(forward),
                                 "tensorboard": lambda: hooked(forward, lambda: tensorboard_hooks(model, tb))},
                                max(2, args.repeat // 3), sync, calls)
@@ -236,7 +274,10 @@ def main() -> None:
               f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'no derived', 'forward'):>9.2f}x "
               f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
-              f"{paired(t, '+grads', 'train'):>6.2f}x")
+              f"{paired(t, '+grads', 'train'):>6.2f}x" +
+              (f" {paired(t, '1 stream', 'forward'):>7.2f}x {len(syncs):>5}" if cuda else ""))
+        if cuda and len(syncs) > 1:
+            print("    syncs at " + ", ".join(f"{where} ×{n}" for where, n in collections.Counter(syncs).most_common(6)))
 
 
 if __name__ == "__main__":

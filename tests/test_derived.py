@@ -423,7 +423,7 @@ def _tricky_scores(case: str) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
                                   "nan-masked-elsewhere", "large", "long"])
 @pytest.mark.parametrize("causal", [False, True])
@@ -431,7 +431,7 @@ def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, causal
     """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
     elsewhere a softmax in a reused buffer, entropy as log Z minus the expected logit) give the
     core's numpy definition (spec §Derived readings); SDPA's causal mask given as a flag (applied by
-    the kernel as it reads) leaves out what the same mask filled in does."""
+    the kernel as it reads) leaves out what the same mask filled in does. On CUDA where a GPU is present."""
     from actrace.reduce import derived as definition
     from actrace.reduce import kernel
 
@@ -439,11 +439,11 @@ def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, causal
         monkeypatch.setattr(kernel, "available", False)
     x = _tricky_scores(case)
     later = ~torch.ones(x.shape[-2:], dtype=torch.bool).tril()  # SDPA's is_causal: key j > query i left out
-    fast = attention(x, causal=causal)
+    fast = attention(x.to("cuda" if where == "cuda" else "cpu"), causal=causal)
     want = definition.attention((x.masked_fill(later, -math.inf) if causal else x).numpy())
     for kind in ATTENTION_KINDS:
         assert fast[kind].shape == want[kind].shape, kind
-        np.testing.assert_allclose(fast[kind].numpy(), want[kind], rtol=1e-5, atol=1e-5, err_msg=kind)
+        np.testing.assert_allclose(fast[kind].cpu().numpy(), want[kind], rtol=1e-5, atol=1e-5, err_msg=kind)
 
 
 def test_a_probe_read_in_chunks_gives_the_derived_readings_of_the_whole(tmp_path):

@@ -17,6 +17,7 @@ import actrace
 from actrace.adapters.torch import Monitor
 from actrace.analyzer.findings import findings
 from actrace.analyzer.metrics import metrics
+from actrace.format import bins
 from conftest import HUNG
 
 
@@ -330,6 +331,37 @@ class Block(nn.Module):
             k = x[:, None, :, :4].expand(-1, 2, -1, -1)
             h = h + 0.0 * F.scaled_dot_product_attention(torch.zeros_like(k), k, k).sum()
         return self.out(h)
+
+
+class Swap(nn.Module):
+    def forward(self, h):
+        return h.transpose(1, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (the host syncs are CUDA's)")
+def test_a_probe_reading_on_a_gpu_waits_for_the_device_once_and_once_per_attention(tmp_path):
+    """On CUDA the reductions (histograms included) run on a side stream without a host sync: a
+    probe reading waits for the device once, for its readings' transfer, and once per attention
+    call, whose heads' count of queries is needed to shape their readings; values still the truth."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(attend=True), Swap(), Block(attend=True)).cuda()
+    kill(model[0].fc.bias, 2)
+    with Monitor(model, torch.randn(4, 5, 6), tmp_path / "b.parquet", grad_every=None) as mon:  # a host probe
+        mon.probe_reading(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                mon.probe_reading(1)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1 + 2, syncs
+    assert dead(tmp_path / "b.parquet", "0.relu") == [2 / 6] * 2
+    table = actrace.read_table(tmp_path / "b.parquet").to_pylist()
+    assert [r["min"] for r in table if r["layer"] == "2.attention_sink"] == pytest.approx([1 / 5] * 2)
+    for r in (r for r in table if r["layer"] == "0.relu"):  # histograms counted on the device, as the columns say
+        assert sum(r["hist"]) == r["count"] and r["hist"][bins.ZERO_BIN] == r["zero_count"] >= 2 * 20
 
 
 @pytest.mark.parametrize("attend", [False, True])

@@ -2,10 +2,12 @@
 
 `reduce_tensor` reads a CPU float32 tensor with the core's fused C kernel (all threads, on
 PyTorch's own OpenMP team) and any other tensor with torch kernels on its device, without a host
-sync; either way every statistic is taken before the call returns, so a later in-place change of
-the tensor changes nothing. `to_readings` moves a batch of them to the host in one transfer as
-core `Reading`s (merged across chunks by the core's `merge`), and `all_reduce` merges
-data-parallel ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
+sync: a CUDA tensor is copied where the model's stream is and reduced on a stream of its own
+(`SIDE_STREAM`), beside the model's next kernels. Either way every statistic is taken of the values
+as they are when the call returns, so a later in-place change of the tensor changes nothing.
+`to_readings` moves a batch of them to the host in one transfer (the one host sync) as core
+`Reading`s (merged across chunks by the core's `merge`), and `all_reduce` merges data-parallel
+ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from .reference import centre, check_reducible, sat_counts
 _EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
           torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}
 _F64 = torch.float64
+SIDE_STREAM = True  # a CUDA tensor's reductions on its device's side stream (`_beside`), not the model's
+_sides: dict = {}  # device -> its side stream
 
 
 @dataclass
@@ -61,7 +65,8 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Te
 def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     """`scratch_like` by shape: slot 0 is the reductions' own, other slots their callers'."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    key, n = (device, dtype, slot), math.prod(shape)
+    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None  # one per stream
+    key, n = (device, dtype, slot, stream), math.prod(shape)
     buf = buffers.get(key)
     if buf is None or buf.numel() < n:
         buf = buffers[key] = torch.empty(n, dtype=dtype, device=device)
@@ -70,15 +75,19 @@ def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
 
 def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
     """The histogram on any device by binary search over the edges, float64 values against the
-    float64 edges and others as float32 (the CUDA path)."""
+    float64 edges and others as float32 (the CUDA path). Counted by `histc` over the bins' numbers,
+    in float64 (exact), which needs no host sync; by `bincount` (which syncs for its size) where
+    deterministic algorithms are asked for, as `histc` on CUDA has none."""
     x = x if x.dtype == torch.float64 else x.float()  # float64 values binned as they are, not rounded
     mag = torch.bucketize(x.abs(), _EDGES[x.dtype].to(x.device), right=True)
     idx = torch.where(x > 0, bins.ZERO_BIN + 1 + mag, bins.ZERO_BIN - 1 - mag)
     idx = torch.where(x == 0, bins.ZERO_BIN, idx)
     idx = torch.where(torch.isinf(x), torch.where(x > 0, bins.POS_INF_BIN, bins.NEG_INF_BIN), idx)
     idx = torch.where(torch.isnan(x), bins.N_BINS, idx)
-    # bincount syncs for its size, but index_add_'s atomics measured 2.4x slower on an H200 (CNN bench)
-    return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
+    if x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled():
+        return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
+    middles = idx.reshape(-1).to(_F64).add_(0.5)  # bin k's number at k + 0.5: histc's bins of width 1 hold it
+    return torch.histc(middles, bins=bins.N_BINS + 1, min=0, max=bins.N_BINS + 1)[: bins.N_BINS].long()
 
 
 def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, int | None]:
@@ -109,8 +118,8 @@ def reduce_tensors(calls: list[tuple[torch.Tensor, int | None, str, dict]]) -> l
              if kernel.available and x.device.type == "cpu" and x.dtype == torch.float32}
     for i, st in zip(tasks, kernel.reduce_many(list(tasks.values()))):
         _kernel_stats(prepared[i][0], tasks[i][0], st)
-    return [p if i in tasks else _torch_stats(p, x, axis, histogram)
-            for i, (p, x, axis, histogram, _) in enumerate(prepared)]
+    return [p if i in tasks else _beside(p, x, axis, histogram) if x.is_cuda and SIDE_STREAM
+            else _torch_stats(p, x, axis, histogram) for i, (p, x, axis, histogram, _) in enumerate(prepared)]
 
 
 def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
@@ -118,8 +127,10 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
               relu_too: bool = False) -> tuple[Pending, torch.Tensor, int, bool, bool]:
     """A call of `reduce_tensor` checked (spec §Numerics, naming the layer) and set up: its pending
     reading, the tensor as it is reduced (half precision widened, a nested one flattened, one unit
-    as a column), the unit axis in it, whether to histogram it, and `relu_too`."""
+    as a column; a copy of a CUDA tensor reduced on the side stream: `_beside`), the unit axis in
+    it, whether to histogram it, and `relu_too`."""
     x = t.detach()
+    fresh = x.is_nested or x.dtype in (torch.float16, torch.bfloat16)  # made anew below: a copy already
     dtype = str(x.dtype).removeprefix("torch.")
     check_reducible(x.is_floating_point(), dtype, (1,), layer)
     if x.is_nested:
@@ -127,6 +138,8 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
     check_reducible(True, dtype, tuple(x.shape), layer)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
+    elif x.is_cuda and SIDE_STREAM and not fresh:  # the values as they are now, whatever the model does next
+        x = x.clone()
     shape = tuple(x.shape)
     if unit_axis is None:
         x, axis = x.reshape(-1, 1), 1
@@ -154,6 +167,19 @@ def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
         pending.stats["sat_counts"] = sat_counts(view, pending.bounds)
     if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
         pending.relu = relu_stats(pending.stats, relu)
+
+
+def _beside(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
+    """`_torch_stats` of a CUDA tensor (our own copy) on its device's side stream, once the model's
+    stream has made it: the model's next kernels need not wait for them (`to_readings` does), and
+    its memory is not handed out again before the side stream is done with it."""
+    main, side = torch.cuda.current_stream(x.device), _sides.get(x.device)
+    if side is None:
+        side = _sides[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    x.record_stream(side)
+    with torch.cuda.stream(side):
+        return _torch_stats(pending, x, axis, histogram)
 
 
 def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
@@ -350,6 +376,8 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
     if not any(_on_device(next(iter(p.stats.values()), None)) for p in pending):
         return [_finish(p, dict(p.stats)) for p in pending]  # on the host: nothing to batch, nor to convert
     dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
+    if dev in _sides:  # statistics taken on the side stream: the model's stream waits for them
+        torch.cuda.current_stream(dev).wait_stream(_sides[dev])
     flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
     host = torch.cat(flat).cpu().numpy()
     out, pos = [], 0

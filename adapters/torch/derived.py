@@ -35,42 +35,52 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, to
     x = logits.detach().float()
     if x.device.type == "cpu" and kernel.available:
         peak, entropy, sink, n = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
+        n = torch.as_tensor(n)
+        counts = [int((n >= 1).sum()), int((n >= 2).sum())]
     else:
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
-        peak, entropy, sink, n = _per_head(x, lowest)
-    return {"attention_logit": _where(peak, n >= 1), "attention_entropy": _where(entropy, n >= 2),
-            "attention_sink": _where(sink, n >= 1)}
+        peak, entropy, sink, n, counts = _per_head(x, lowest)
+    return {"attention_logit": _where(peak, n >= 1, counts[0]),
+            "attention_entropy": _where(entropy, n >= 2, counts[1]), "attention_sink": _where(sink, n >= 1, counts[0])}
 
 
-def _where(per_query, rows) -> torch.Tensor:
-    """`[B, Q, H]` numbers of the queries `rows` (`[B, Q]`) marks, as `[queries, H]`: a view where
-    every query is marked (the usual case; boolean indexing copies)."""
-    return torch.as_tensor(per_query.reshape(-1, per_query.shape[-1]) if bool(rows.all()) else per_query[rows])
+def _where(per_query, rows, count: int) -> torch.Tensor:
+    """`[B, Q, H]` numbers of the `count` queries `rows` (`[B, Q]`) marks, as `[queries, H]`: a view
+    where every query is marked (the usual case), else those rows gathered (no host sync: the
+    count is known)."""
+    flat = torch.as_tensor(per_query).reshape(-1, per_query.shape[-1])
+    if count == len(flat):
+        return flat
+    return flat.index_select(0, torch.nonzero_static(torch.as_tensor(rows).reshape(-1), size=count).squeeze(1))
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
     """`kernel.attention_scores` in torch: the scores less their peak into a reused buffer, one
     fused softmax of them into another; the entropy (nats) is −log of the largest probability less
-    the expected score about the peak (no logarithm per score, and no cancellation at large logits)."""
+    the expected score about the peak (no logarithm per score, and no cancellation at large logits).
+    Also how many queries may attend a key and two keys: with whether any key is left out, the
+    call's one host sync."""
     batch, heads, queries, keys = x.shape
     masked = (x <= lowest).any(1)  # [B, Q, K]: a key some head leaves out (its NaN with it); NaN is read
-    masked = masked if bool(masked.any()) else None
-    n = torch.full((batch, queries), keys, device=x.device) if masked is None else keys - masked.sum(-1)
+    n = keys - masked.sum(-1)
+    flags = torch.stack([masked.any(), masked[..., 0].any(), (n >= 1).sum(), (n >= 2).sum()])
+    some, first_out, *counts = flags.tolist()
+    masked = masked if some else None
     d = scratch_like(x, torch.float32, slot=2)
     if masked is not None:  # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
         x = torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=d)
     peak = x.amax(-1, keepdim=True)
     d = torch.sub(x, peak, out=d)
     p = torch.ops.aten._softmax.out(d, -1, False, out=scratch_like(x, torch.float32))
-    if masked is not None and bool(masked[..., 0].any()):  # a query that may not attend key 0 (left padding)
+    if first_out:  # a query that may not attend key 0 (left padding)
         first = (~masked).to(torch.int8).argmax(-1)  # its first key
         sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
     else:
         sink = p[..., 0].clone()
     nats = -p.amax(-1).log() - p.mul_(d).sum(-1)  # Σ p·(x − peak) in place: p is not needed after
     entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
-    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n
+    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n, counts
 
 
 def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
@@ -192,8 +202,9 @@ def routing(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
             and dim in (-1, scores.ndim - 1) and largest and isinstance(k, int) and 0 < k < scores.shape[-1]):
         return None
     x = scores.detach().float().reshape(-1, scores.shape[-1])
-    # scores of one sign are the router's own weights (a softmax's, a sigmoid's): normalized; logits: softmaxed
-    p = x / x.sum(-1, keepdim=True) if bool((x >= 0).all()) else torch.softmax(x, -1)
+    # scores of one sign are the router's own weights (a softmax's, a sigmoid's): normalized; logits:
+    # softmaxed (both made, one kept on the device: no host sync)
+    p = torch.where((x >= 0).all(), x / x.sum(-1, keepdim=True), torch.softmax(x, -1))
     chosen = torch.zeros_like(x).scatter_(-1, x.topk(k, -1).indices, 1.0)
     return {"expert_load": chosen, "router_prob": p,
             "router_entropy": torch.special.entr(p).sum(-1) / math.log(x.shape[-1])}
