@@ -18,7 +18,8 @@ side in one run:
     the side stream), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
     debug mode; where they happen is printed below the row when there is more than one).
 The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
-the median over rounds of the two cases' times in the same round (`paired`).
+the median over rounds of the two cases' times in the same round (`paired`). Models run in the
+order `--models` names them.
 Run: .venv/bin/python bench/bench_torch.py [--device cuda] [--repeat N] [--models mlp cnn transformer cnn-bn lstm llama-deep llama-wide]
 """
 from __future__ import annotations
@@ -106,30 +107,30 @@ MODELS = {"mlp 8x1024": mlp, "cnn 4-layer": cnn, "transformer 4x256": transforme
           "lstm 2x256": lstm, "llama-deep 32x64": lambda: llama(32, 64), "llama-wide 8x512": lambda: llama(8, 512)}
 
 
-def interleaved(cases: dict, repeat: int, sync, calls: int = 1) -> dict[str, list[float]]:
-    """Per case, its time per call in each round (the mean of `calls` calls), the cases taking
-    turns round after round: this VM's speed drifts by 10-20 % over a minute, and a ratio taken
-    within a round (`paired`) sees the same drift on both sides. A case is a context manager
-    factory that sets up (and warms up) outside the timer and yields the function to time."""
+def interleaved(cases: dict, repeat: int, sync, calls: int | None = 1, seconds: float = 0.2) -> dict[str, list[float]]:
+    """Per case, its time per call in each round (the mean of `calls` calls, or with None of
+    enough for about `seconds`, as its first call took), the cases taking turns round after round:
+    this VM's speed drifts by 10-20 % over a minute, and a ratio taken within a round (`paired`)
+    sees the same drift on both sides. A case is a context manager factory that sets up (and warms
+    up) outside the timer and yields the function to time."""
     times: dict[str, list[float]] = {name: [] for name in cases}
+    counts: dict[str, int] = {name: calls for name in cases if calls}
     for _ in range(repeat):
         for name, case in cases.items():
             with case() as fn:
+                if name not in counts:
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    counts[name] = max(1, round(seconds / max(time.perf_counter() - t0, 1e-6)))
                 sync()
                 t0 = time.perf_counter()
-                for _ in range(calls):
+                for _ in range(counts[name]):
                     fn()
                 sync()
-                times[name].append((time.perf_counter() - t0) / calls)
+                times[name].append((time.perf_counter() - t0) / counts[name])
     return times
-
-
-def _once(fn) -> float:
-    """Seconds one call takes (after a warm-up call)."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return max(time.perf_counter() - t0, 1e-6)
 
 
 def paired(times: dict[str, list[float]], case: str, reference: str) -> float:
@@ -207,10 +208,8 @@ def main() -> None:
     print(header)
     from torch.utils.tensorboard import SummaryWriter
 
-    for name, build in MODELS.items():
-        if args.models and name.split()[0] not in args.models:
-            continue
-        model, probe, loss_fn = build()
+    for name in [n for m in args.models for n in MODELS if n.split()[0] == m] if args.models else MODELS:
+        model, probe, loss_fn = MODELS[name]()
         model, probe = model.to(dev), probe.to(dev)
         model.eval()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -252,7 +251,6 @@ def main() -> None:
                     yield lambda: train_step(mon)
 
             tb = SummaryWriter(d)
-            calls = max(1, round(0.2 / _once(forward)))
             t = interleaved({
                 "forward": lambda: nullcontext(forward),
                 "actrace": monitored,
@@ -262,13 +260,13 @@ def main() -> None:
                 "train": lambda: nullcontext(train_step),
                 "+grads": watched,
                 **({"1 stream": on_one_stream} if cuda else {}),
-            }, args.repeat, sync, calls)
+            }, args.repeat, sync, calls=None)
             if cuda:
                 with monitored() as read:
                     syncs = host_syncs(read)
             slow = interleaved({"forward": lambda: nullcontext(forward),
                                 "tensorboard": lambda: hooked(forward, lambda: tensorboard_hooks(model, tb))},
-                               max(2, args.repeat // 3), sync, calls)
+                               max(2, args.repeat // 3), sync, calls=None)
             tb.close()
         print(f"{name:<18} {statistics.median(t['forward']) * 1e3:>10.1f} {paired(t, 'actrace', 'forward'):>7.2f}x "
               f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'no derived', 'forward'):>9.2f}x "
@@ -277,7 +275,8 @@ def main() -> None:
               f"{paired(t, '+grads', 'train'):>6.2f}x" +
               (f" {paired(t, '1 stream', 'forward'):>7.2f}x {len(syncs):>5}" if cuda else ""))
         if cuda and len(syncs) > 1:
-            print("    syncs at " + ", ".join(f"{where} ×{n}" for where, n in collections.Counter(syncs).most_common(6)))
+            where = collections.Counter(syncs).most_common(6)
+            print("    syncs at " + ", ".join(f"{place} ×{n}" for place, n in where))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,16 @@ def torch_ops(x, axis, kind, halves, monkeypatch, change=None):
     return _torch_reading(x, axis, kind, halves, "cpu", change)
 
 
+def torch_transfer(x, axis, kind, halves, monkeypatch, change=None):
+    """`torch_ops` with the statistics moved to the host as a device's are: their bits in one transfer."""
+    import torch
+
+    from actrace.reduce import torch as tr
+
+    monkeypatch.setattr(tr, "_on_device", lambda v: isinstance(v, torch.Tensor))
+    return torch_ops(x, axis, kind, halves, monkeypatch, change)
+
+
 def torch_fused(x, axis, kind, halves, change=None):
     return _torch_reading(x, axis, kind, halves, "cpu", change)
 
@@ -162,6 +172,7 @@ BACKENDS = {
     "numpy-reference": (numpy_reference, lambda d, lay, k: True, None),
     "c-kernel": (c_kernel, lambda d, lay, k: d in NARROW, None if kernel.available else "kernel not built"),
     "torch-ops": (torch_ops, lambda d, lay, k: True, _missing("torch")),
+    "torch-transfer": (torch_transfer, lambda d, lay, k: True, _missing("torch")),
     "torch-fused": (torch_fused, lambda d, lay, k: d in NARROW,
                     _missing("torch") or (None if kernel.available else "kernel not built")),
     "torch-cuda": (torch_cuda, lambda d, lay, k: True, _missing("torch") or _cuda()),
@@ -195,7 +206,8 @@ def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, ca
     shape, axis = LAYOUTS[layout]
     x = values(case, shape, DTYPES[dtype])
     fn = BACKENDS[backend][0]
-    extra = {"torch-ops": {"monkeypatch": monkeypatch}, "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
+    extra = {"torch-ops": {"monkeypatch": monkeypatch}, "torch-transfer": {"monkeypatch": monkeypatch},
+             "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
     got = fn(x, axis, kind, halves, **extra)
     if backend == "onnxruntime":
         got, x, axis = got
@@ -226,13 +238,15 @@ def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, m
     original = x.copy()
     want = from_reference(original, axis, "linear")
     assert want.nan_count and want.inf_count
-    extra = {"monkeypatch": monkeypatch} if backend == "torch-ops" else {}
-    if backend.startswith("torch"):
-        got = fn(x, axis, "linear", True, change=lambda t: t.nan_to_num_(0.0).mul_(3.0), **extra)
+    extra = {"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer") else {}
+    if backend.startswith("torch"):  # the tensors read (on the device, or sharing x's memory) cleaned afterwards
+        cleaned = []
+        got = fn(x, axis, "linear", True, change=lambda t: cleaned.append(t.nan_to_num_(0.0).mul_(3.0)), **extra)
+        assert cleaned and not any(t.isnan().any() for t in cleaned)
     else:
         got = fn(x, axis, "linear", True)
         np.copyto(x, np.nan_to_num(x.astype(np.float64), nan=0.0).astype(x.dtype) * 3)
-    assert not np.isnan(x.astype(np.float64)).any()  # the tensor read was cleaned afterwards
+        assert not np.isnan(x.astype(np.float64)).any()  # the array read was cleaned afterwards
     assert_same(got, want, original, axis)
 
 

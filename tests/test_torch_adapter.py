@@ -104,13 +104,20 @@ SHAPES = {"dense": ((32, 48), 1), "nchw": ((8, 6, 5, 7), 1), "nhwc": ((8, 5, 7, 
           "sequence": ((4, 9, 24), 2), "whole": ((16, 12), None)}
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_accelerator_histogram_path_equals_the_definition(dtype):
-    edges = torch.from_numpy(bins.MAGNITUDE_EDGES).to(dtype)
+def test_the_accelerator_histogram_path_equals_the_definition(dtype, device):
+    """One binary search over signed edges places every value as the definition does: at, just
+    below and just above each edge of either sign, zero of either sign, the tiniest and largest
+    values, ±inf; NaN left out."""
+    np_dtype = np.float32 if dtype == torch.float32 else np.float64
+    info, edges = np.finfo(np_dtype), bins.MAGNITUDE_EDGES.astype(np_dtype)
+    near = np.concatenate([edges, np.nextafter(edges, np_dtype(0)), np.nextafter(edges, np_dtype(np.inf))])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, info.smallest_subnormal, -info.smallest_subnormal,
+                        info.max, -info.max, info.tiny, -info.tiny], np_dtype)
     x = torch.cat([torch.randn(5000, dtype=dtype) * 10 ** torch.randint(-9, 9, (5000,)).to(dtype),
-                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 0.99, -0.999, 1.0], dtype=dtype),
-                   edges, edges * (1 - 1e-12), -edges * (1 + 1e-12)])  # float64 values an edge apart
-    got = _torch_reduce.bucketize_histogram(x).numpy()
+                   torch.from_numpy(np.concatenate([near, -near, special]))])
+    got = _torch_reduce.bucketize_histogram(x.to(device)).cpu().numpy()
     np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
 
 

@@ -27,8 +27,6 @@ from .dispatch import relu_stats
 from .reading import Reading, ReductionError
 from .reference import centre, check_reducible, sat_counts
 
-_EDGES = {torch.float32: torch.tensor(np.array(bins._first_f32, dtype=np.float32)),  # |v| >= f_j ⇔ |v| >= E_j
-          torch.float64: torch.tensor(bins.MAGNITUDE_EDGES, dtype=torch.float64)}
 _F64 = torch.float64
 SIDE_STREAM = True  # a CUDA tensor's reductions on its device's side stream (`_beside`), not the model's
 _sides: dict = {}  # device -> its side stream
@@ -65,7 +63,7 @@ def scratch_like(x: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Te
 def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     """`scratch_like` by shape: slot 0 is the reductions' own, other slots their callers'."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None  # one per stream
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None  # one per stream
     key, n = (device, dtype, slot, stream), math.prod(shape)
     buf = buffers.get(key)
     if buf is None or buf.numel() < n:
@@ -73,21 +71,43 @@ def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     return buf[:n].view(shape)
 
 
-def bucketize_histogram(x: torch.Tensor) -> torch.Tensor:
-    """The histogram on any device by binary search over the edges, float64 values against the
-    float64 edges and others as float32 (the CUDA path). Counted by `histc` over the bins' numbers,
-    in float64 (exact), which needs no host sync; by `bincount` (which syncs for its size) where
-    deterministic algorithms are asked for, as `histc` on CUDA has none."""
-    x = x if x.dtype == torch.float64 else x.float()  # float64 values binned as they are, not rounded
-    mag = torch.bucketize(x.abs(), _EDGES[x.dtype].to(x.device), right=True)
-    idx = torch.where(x > 0, bins.ZERO_BIN + 1 + mag, bins.ZERO_BIN - 1 - mag)
-    idx = torch.where(x == 0, bins.ZERO_BIN, idx)
-    idx = torch.where(torch.isinf(x), torch.where(x > 0, bins.POS_INF_BIN, bins.NEG_INF_BIN), idx)
-    idx = torch.where(torch.isnan(x), bins.N_BINS, idx)
-    if x.device.type == "cpu" or torch.are_deterministic_algorithms_enabled():
-        return torch.bincount(idx.reshape(-1), minlength=bins.N_BINS + 1)[: bins.N_BINS]
-    middles = idx.reshape(-1).to(_F64).add_(0.5)  # bin k's number at k + 0.5: histc's bins of width 1 hold it
-    return torch.histc(middles, bins=bins.N_BINS + 1, min=0, max=bins.N_BINS + 1)[: bins.N_BINS].long()
+def _signed_edges(dtype: torch.dtype) -> torch.Tensor:
+    """Sorted edges S such that #(S < v) is the bin (spec §Histogram) of every non-NaN v of `dtype`
+    (float32, float64): −inf, each −E (v < −E ⇔ |v| > E), the largest negative value and 0 (either
+    side of zero's bin), below each E (v > below ⇔ v >= E), the largest finite value (+inf above).
+    For float32, the float32 edges f with |v| >= f ⇔ |v| >= E."""
+    f = np.array(bins._first_f32, np.float32) if dtype == torch.float32 else bins.MAGNITUDE_EDGES
+    info = np.finfo(f.dtype)
+    below = np.nextafter(f, f.dtype.type(-np.inf))
+    return torch.from_numpy(np.concatenate([[-np.inf], -f[::-1], [-info.smallest_subnormal, 0.0], below,
+                                            [info.max]]).astype(f.dtype))
+
+
+_ON_DEVICE: dict = {}  # (what, dtype, device) -> a tensor made once on that device
+
+
+def _on(device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """The signed edges, or (0, +inf, −inf), of `dtype` on `device`, made once there: a host tensor
+    copied to the device at every reading would wait for it."""
+    key = (what, dtype, device)
+    t = _ON_DEVICE.get(key)
+    if t is None:
+        t = _signed_edges(dtype) if what == "edges" else torch.tensor([0.0, math.inf, -math.inf], dtype=dtype)
+        t = _ON_DEVICE[key] = t.to(device)
+    return t
+
+
+def bucketize_histogram(x: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Tensor:
+    """The histogram on any device: each value's bin by one binary search over `_signed_edges`
+    (float64 values as they are, others as float32), NaN (`nan`, if known) left out; counted by
+    `histc` over the bins' numbers, in float64 (exact, as given), which needs no host sync, or by `bincount`
+    (which syncs for its size) where deterministic algorithms are asked for: CUDA's `histc` has none."""
+    x = x if x.dtype == _F64 else x.float()
+    idx = torch.bucketize(x, _on(x.device, "edges", x.dtype)).masked_fill_(torch.isnan(x) if nan is None else nan,
+                                                                          bins.N_BINS).reshape(-1)
+    if x.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return torch.bincount(idx, minlength=bins.N_BINS + 1)[: bins.N_BINS]
+    return torch.histc(idx.to(_F64), bins=bins.N_BINS, min=-0.5, max=bins.N_BINS - 0.5)  # counts, as float64
 
 
 def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, int | None]:
@@ -195,42 +215,41 @@ def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) 
 
 def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, moments: bool = True) -> dict:
     """The reference's statistics (`reference._stats`) by torch kernels on the tensor's device, over
-    its finite values whatever it holds (no host sync to ask whether it holds a NaN): sums in
-    float64 (spec §Numerics), extremes and min |h - c| NaN for a unit with no finite value; the
-    sums of cubes and fourth powers with `moments` (probe readings, not per-step gradients)."""
+    its finite values whatever it holds (no host sync to ask whether it holds a NaN), in few kernels
+    (each costs a launch on a GPU: bench/bench_device_ops.py) into reused buffers: sums in float64
+    (spec §Numerics); with `moments` (probe readings, not per-step gradients) the sums of cubes and
+    fourth powers, and min |h - c|. Extremes of a unit with no finite value are ±inf, and the count
+    of ±inf is left out: `_finish` makes them NaN, and the count, on the host."""
     dims = [d for d in range(x.ndim) if d != axis]
-    finite = torch.isfinite(x)
+    zero, inf, minus_inf = _on(x.device, "constants", x.dtype)
+    size = torch.abs(x, out=scratch_like(x, x.dtype, slot=3))
+    finite = torch.lt(size, inf, out=scratch_like(x, torch.bool, slot=1))  # NaN and ±inf are not below +inf
+    nan = torch.isnan(x)
     work = scratch_like(x, x.dtype)
-    zero, inf = x.new_zeros(()), x.new_full((), torch.inf)
     clean = torch.where(finite, x, zero, out=work)
-    unit_count = finite.sum(dims)
-    total = clean.sum(dims, dtype=_F64)
-    if moments:  # cubes and fourth powers in float64 (float32's overflow above 4e9), before `work` is reused
-        wide = clean.to(_F64, copy=True)
-        powers = {"unit_sum3": torch.mul(wide, wide).mul_(wide).sum(dims),
-                  "unit_sum4": wide.square_().square_().sum(dims)}
-        del wide
-    # float32 squares overflow above 1.8e19: narrower values are squared in float64 (by the norm)
-    squares = torch.square(clean, out=work).sum(dims, dtype=_F64) if x.dtype == _F64 else \
-        torch.linalg.vector_norm(clean, 2, dims, dtype=_F64).square()
-    s = {"unit_sum": total, "unit_sumsq": squares, **(powers if moments else {}),
-         "unit_zero": torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims), "unit_count": unit_count,
-         "unit_min": torch.where(finite, x, inf, out=work).amin(dims),
-         "unit_max": torch.where(finite, x, -inf, out=work).amax(dims)}
-    if relu and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
-        s["unit_min_dev"] = s["unit_min"].clone()
-    else:
-        dev = torch.abs(torch.sub(x, c, out=work) if c else x, out=work)
+    s = {"unit_count": finite.sum(dims)}
+    if moments:  # powers in float64 (float32's overflow above 4e9), before `work` is reused
+        wide = clean.to(_F64)
+        squares = wide * wide
+        s.update(unit_sum=wide.sum(dims), unit_sumsq=squares.sum(dims), unit_sum3=wide.mul_(squares).sum(dims),
+                 unit_sum4=squares.square_().sum(dims))
+        del wide, squares
+    else:  # float32 squares overflow above 1.8e19: the norm squares in float64
+        s.update(unit_sum=clean.sum(dims, dtype=_F64),
+                 unit_sumsq=torch.linalg.vector_norm(clean, 2, dims, dtype=_F64).square())
+    s["unit_zero"] = torch.eq(x, 0, out=scratch_like(x, torch.bool)).sum(dims)
+    s["unit_min"] = torch.where(finite, x, inf, out=work).amin(dims)
+    s["unit_max"] = torch.where(finite, x, minus_inf, out=work).amax(dims)
+    if moments and relu and c == 0:  # ReLU outputs are >= 0, so min |h| is the min
+        s["unit_min_dev"] = s["unit_min"]
+    elif moments:
+        dev = torch.abs(torch.sub(x, c, out=work), out=work) if c else size
         s["unit_min_dev"] = torch.where(finite, dev, inf, out=work).amin(dims)
-    none = unit_count == 0
-    for k in ("unit_min", "unit_max", "unit_min_dev"):
-        s[k] = s[k].masked_fill(none, torch.nan)
-    s["nan_count"] = torch.isnan(x).sum()
-    s["inf_count"] = x.numel() - unit_count.sum() - s["nan_count"]
+    s["nan_count"] = nan.sum()
     if histogram and x.device.type == "cpu":  # the core's numpy histogram
         s["hist"] = torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(s["unit_zero"].sum())))
     elif histogram:
-        s["hist"] = bucketize_histogram(x)
+        s["hist"] = bucketize_histogram(x, nan)
     return s
 
 
@@ -375,18 +394,32 @@ def to_readings(pending: list[Pending]) -> list[Reading]:
     # a reading's statistics lie on one device, its tensor's: one look at each reading says where
     if not any(_on_device(next(iter(p.stats.values()), None)) for p in pending):
         return [_finish(p, dict(p.stats)) for p in pending]  # on the host: nothing to batch, nor to convert
-    dev = next(v.device for p in pending for v in p.stats.values() if _on_device(v))
-    if dev in _sides:  # statistics taken on the side stream: the model's stream waits for them
-        torch.cuda.current_stream(dev).wait_stream(_sides[dev])
-    flat = [torch.as_tensor(v, device=dev).reshape(-1).to(torch.float64) for p in pending for v in p.stats.values()]
-    host = torch.cat(flat).cpu().numpy()
-    out, pos = [], 0
-    for p in pending:
-        vals = {}
-        for k, v in p.stats.items():
-            vals[k] = host[pos: pos + _numel(v)]
-            pos += _numel(v)
-        out.append(_finish(p, vals))
+    host = iter(_to_host([v for p in pending for v in p.stats.values()]))
+    return [_finish(p, {k: next(host) for k in p.stats}) for p in pending]
+
+
+_WORDS = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _to_host(values: list) -> list:
+    """Each value on the host: arrays and CPU tensors as they are, device tensors in one transfer per
+    device once its side stream is done, their bits joined as 32-bit words (no conversion kernel
+    per value) and each seen again as an array of its own type."""
+    out = list(values)
+    devices: dict = {}
+    for i, v in enumerate(values):
+        if _on_device(v):
+            devices.setdefault(v.device, []).append(i)
+    for dev, items in devices.items():
+        if dev in _sides:  # statistics taken on the side stream: the model's stream waits for them
+            torch.cuda.current_stream(dev).wait_stream(_sides[dev])
+        flat = [values[i].reshape(-1) for i in items]
+        flat = [v if v.dtype in _WORDS else v.to(_F64) for v in flat]
+        host = torch.cat([v.contiguous().view(torch.int32) for v in flat]).cpu().numpy()
+        pos = 0
+        for i, v in zip(items, flat):
+            n = v.numel() * v.element_size() // 4
+            out[i], pos = host[pos: pos + n].view(_WORDS[v.dtype]), pos + n
     return out
 
 
@@ -394,11 +427,14 @@ def _on_device(v) -> bool:
     return isinstance(v, torch.Tensor) and v.device.type != "cpu"
 
 
-def _numel(v) -> int:
-    return v.numel() if isinstance(v, torch.Tensor) else v.size
-
-
 def _finish(p: Pending, v: dict) -> Reading:
+    if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
+        finite, nan = np.asarray(v["unit_count"]).sum(), np.asarray(v["nan_count"]).sum()
+        v["inf_count"] = math.prod(p.shape) - int(finite) - int(nan)
+        for k in ("unit_min", "unit_max", "unit_min_dev"):  # a unit with no finite value: NaN
+            if k in v:
+                a = np.asarray(v[k])
+                v[k] = np.where(np.isinf(a), np.nan, a)
     norm = v.pop("update_norm", None)
     return Reading.from_stats(v, shape=p.shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
                               kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,

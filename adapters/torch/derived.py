@@ -69,7 +69,7 @@ def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
     masked = masked if some else None
     d = scratch_like(x, torch.float32, slot=2)
     if masked is not None:  # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
-        x = torch.where(masked[:, None], x.new_tensor(_LEFT_OUT), x, out=d)
+        x = d.copy_(x).masked_fill_(masked[:, None], _LEFT_OUT)  # a number: no tensor made on the host
     peak = x.amax(-1, keepdim=True)
     d = torch.sub(x, peak, out=d)
     p = torch.ops.aten._softmax.out(d, -1, False, out=scratch_like(x, torch.float32))

@@ -8,6 +8,7 @@ batch-first or packed; rows are the packed sequence's, so padding is never read.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import _VF, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -51,7 +52,7 @@ def readings(module: nn.Module, args: tuple, kwargs: dict, output, wanted: set[s
         valid = torch.ones(grid, dtype=torch.bool)
         rows, top = rows.reshape(-1, rows.shape[-1]), top.reshape(-1, top.shape[-1])
     h0, c0 = _initial(module, hx, h_n, c_n, order)
-    feeds = [torch.as_tensor(recurrent.previous(valid.numpy(), d == 1), device=rows.device) for d in range(dirs)]
+    feeds = [_to(rows.device, recurrent.previous(valid.numpy(), d == 1)) for d in range(dirs)]
     weights = len(module._flat_weights) // (layers * dirs)
     deepest = max(recurrent.layer_of(n) for n in wanted)
     found: dict[str, torch.Tensor] = {}
@@ -112,3 +113,9 @@ def _shaped(t: torch.Tensor, grid) -> torch.Tensor:
     """A per-row reading as [batch, time, units] where the input was padded (all rows valid): batch
     first, as the probe's chunks are cut."""
     return t if grid is None else t.reshape(*grid, t.shape[-1]).transpose(0, 1)
+
+
+def _to(device: torch.device, a: np.ndarray) -> torch.Tensor:
+    """An index array on `device`: to a GPU from pinned memory, so that the host need not wait."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -1,0 +1,69 @@
+"""Kernels one reading launches on a GPU, counted on the CPU: the torch path that CUDA tensors
+take (the fused C kernel switched off), each aten op that is neither a view nor an allocation
+counted as one launch (a TorchDispatchMode). On a GPU a probe reading's reductions are many small
+kernels, and each launch costs the host some microseconds whatever the tensor's size, so the
+count sets a reading's cost where the model's own kernels are small (an H200 measured it:
+`bench_torch.py --device cuda`). The histogram is counted as a device makes it (`bucketize_histogram`;
+a CPU tensor's comes from the core's numpy code), the statistics' transfer as from a device (one
+per forward, of every reading at once: here of one), and a CUDA tensor's copy for the side stream
+as one more.
+Run: .venv/bin/python bench/bench_device_ops.py
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from actrace.reduce import kernel
+from actrace.reduce import torch as reductions
+
+aten = torch.ops.aten
+FREE = {aten.empty, aten.empty_strided, aten.detach, aten.lift_fresh, aten.alias}  # no kernel of their own
+
+
+class Launches(TorchDispatchMode):
+    """The aten ops run under it that launch a kernel on a GPU, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in FREE:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+CASES = {  # name: (tensor, unit axis, kind, options)
+    "linear [256, 1024]": (torch.randn(256, 1024), 1, "linear", {}),
+    "relu [256, 1024]": (torch.randn(256, 1024).relu(), 1, "relu", {}),
+    "tanh [256, 1024] (bounded)": (torch.randn(256, 1024).tanh(), 1, "tanh", {}),
+    "gradient [1024, 1024]": (torch.randn(1024, 1024), 0, "linear", {"per_unit": False, "histogram": False}),
+}
+
+
+def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> collections.Counter:
+    """The kernels of one reading of `t` on the torch path (histogram as a device makes it)."""
+    histogram, nan = options.pop("histogram", True), torch.isnan(t)  # the reduction's own NaN mask, made already
+    with Launches() as mode:
+        reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", histogram=False, **options)])
+        if histogram:
+            reductions.bucketize_histogram(t, nan)
+    return mode.ops
+
+
+def main() -> None:
+    kernel.available = False  # the path every tensor the C kernel does not take goes
+    reductions._on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
+    print(f"{'reading':<28} {'launches':>8}   most frequent")
+    for name, (t, axis, kind, options) in CASES.items():
+        ops = launches(t, axis, kind, dict(options))
+        side = 1  # the side stream's copy, on a GPU
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+        print(f"{name:<28} {sum(ops.values()) + side:>8}   {top}")
+
+
+if __name__ == "__main__":
+    main()
