@@ -3,10 +3,9 @@ take (the fused C kernel switched off), each aten op that is neither a view nor 
 counted as one launch (a TorchDispatchMode). On a GPU a probe reading's reductions are many small
 kernels, and each launch costs the host some microseconds whatever the tensor's size, so the
 count sets a reading's cost where the model's own kernels are small (an H200 measured it:
-`bench_torch.py --device cuda`). The histogram is counted as a device makes it (`bucketize_histogram`;
-a CPU tensor's comes from the core's numpy code), the statistics' transfer as from a device (one
-per forward, of every reading at once: here of one), and a CUDA tensor's copy for the side stream
-as one more.
+`bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
+by `bucketize_histogram`, the statistics moved by one transfer (one per forward, of every reading
+at once: here of one); a CUDA tensor's copy for the side stream is counted as one more.
 Run: .venv/bin/python bench/bench_device_ops.py
 """
 from __future__ import annotations
@@ -45,24 +44,40 @@ CASES = {  # name: (tensor, unit axis, kind, options)
 
 
 def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> collections.Counter:
-    """The kernels of one reading of `t` on the torch path (histogram as a device makes it)."""
-    histogram, nan = options.pop("histogram", True), torch.isnan(t)  # the reduction's own NaN mask, made already
+    """The kernels of one reading of `t` on the torch path, as from a device."""
     with Launches() as mode:
-        reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", histogram=False, **options)])
-        if histogram:
-            reductions.bucketize_histogram(t, nan)
+        reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", **options)])
+    return mode.ops
+
+
+def attention_launches() -> collections.Counter:
+    """The kernels of an SDPA's per-head readings (causal, 8 sequences, 4 heads of 64 queries):
+    its scores' numbers, then the reading of each."""
+    from actrace.adapters.torch import derived
+
+    q = torch.randn(8, 4, 64, 32)
+    with Launches() as mode:
+        found = derived.sdpa_attention((q, q, q), {"is_causal": True})
+        pending = []
+        for kind, t in found.items():
+            t, rows = t if isinstance(t, tuple) else (t, None)
+            pending.append(reductions.reduce_tensor(t, 1, kind, layer=kind, **({} if rows is None else {"rows": rows})))
+        reductions.to_readings(pending)
     return mode.ops
 
 
 def main() -> None:
     kernel.available = False  # the path every tensor the C kernel does not take goes
-    reductions._on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
+    reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
     print(f"{'reading':<28} {'launches':>8}   most frequent")
     for name, (t, axis, kind, options) in CASES.items():
         ops = launches(t, axis, kind, dict(options))
         side = 1  # the side stream's copy, on a GPU
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
         print(f"{name:<28} {sum(ops.values()) + side:>8}   {top}")
+    ops = attention_launches()
+    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+    print(f"{'SDPA heads (3 readings)':<28} {sum(ops.values()) + 3:>8}   {top}")
 
 
 if __name__ == "__main__":

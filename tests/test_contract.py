@@ -118,7 +118,7 @@ def torch_transfer(x, axis, kind, halves, monkeypatch, change=None):
 
     from actrace.reduce import torch as tr
 
-    monkeypatch.setattr(tr, "_on_device", lambda v: isinstance(v, torch.Tensor))
+    monkeypatch.setattr(tr, "on_device", lambda v: isinstance(v, torch.Tensor))
     return torch_ops(x, axis, kind, halves, monkeypatch, change)
 
 

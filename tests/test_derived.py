@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 
 from actrace.adapters.torch import Monitor
-from actrace.adapters.torch.derived import attention
+from actrace.adapters.torch import derived
 from actrace.files.reader import read_table
 from actrace.format.schema import ATTENTION_KINDS, DERIVED_KINDS
 
@@ -34,6 +34,11 @@ def per_unit(rows: pl.DataFrame, layer: str, column: str = "mean", step: int = 0
     if column == "mean":
         return np.asarray(r["unit_sum"]) / np.asarray(r["unit_count"])
     return np.asarray(r[f"unit_{column}"], dtype=np.float64)
+
+
+def attention(logits: torch.Tensor, causal: bool = False) -> dict[str, torch.Tensor]:
+    """The adapter's per-head numbers of the queries its readings keep (`rows`)."""
+    return {kind: t[rows] for kind, (t, rows) in derived.attention(logits, causal).items()}
 
 
 def test_the_per_head_numbers_of_known_scores():

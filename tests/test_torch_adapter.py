@@ -121,6 +121,32 @@ def test_the_accelerator_histogram_path_equals_the_definition(dtype, device):
     np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_rows_left_out_read_as_the_rows_kept_alone(where, fused, monkeypatch):
+    """`rows` keeps some rows of a tensor (a derived reading's queries): on the host by indexing,
+    on a device as NaN taken out on the host (no sync to select them); either way the reading of
+    the rows kept, NaN and Inf among them and in the rows left out."""
+    monkeypatch.setattr(_torch_reduce.kernel, "available", fused and _torch_reduce.kernel.available)
+    if where == "device":  # the device's path, taken here by a CPU tensor
+        monkeypatch.setattr(_torch_reduce, "on_device", lambda v: isinstance(v, torch.Tensor))
+    x = torch.randn(12, 5)
+    x[1, 2], x[3, 0], x[4, 4], x[7, 1] = float("nan"), float("inf"), float("nan"), -float("inf")
+    rows = torch.tensor([True, False, True, True, False, True, False, True, True, True, False, True])
+    (got, want), = [_torch_reduce.to_readings([_torch_reduce.reduce_tensor(x, 1, "tanh", layer="h", rows=rows),
+                                               _torch_reduce.reduce_tensor(x[rows], 1, "tanh", layer="h")])]
+    assert got.shape == want.shape == (8, 5)
+    assert (got.nan_count, got.inf_count) == (want.nan_count, want.inf_count) == (0, 2)
+    for field in ("count", "zero_count", "min", "max", "hist", "sat_counts", "unit_count", "unit_min", "unit_max",
+                  "unit_min_dev"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    for field in ("sum", "sumsq", "unit_sum", "unit_sumsq"):  # added in another order (the kernel: float32 lanes)
+        np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=1e-5, err_msg=field)
+    if where == "device":  # no row kept: no reading (the host knows only once the transfer came)
+        none = torch.zeros(12, dtype=torch.bool)
+        assert _torch_reduce.to_readings([_torch_reduce.reduce_tensor(x, 1, "tanh", layer="h", rows=none)]) == []
+
+
 def test_chunked_probe_equals_the_whole_probe(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10), nn.Sigmoid())

@@ -98,7 +98,7 @@ def test_a_transformers_model_reads_the_same_replayed_as_traced(tmp_path, build)
             assert any(isinstance(key, tuple) and key[0] is model for key in mon.forward.trace.plan)
         else:
             mon.forward.trace.plan = None
-        readings.append([mon.forward.read() for _ in range(2)])
+        readings.append([mon.forward.read()[0] for _ in range(2)])
         mon.close()
     replayed, traced = readings
     assert [[r.layer for r in step] for step in replayed] == [[r.layer for r in step] for step in traced]

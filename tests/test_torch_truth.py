@@ -339,10 +339,10 @@ class Swap(nn.Module):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (the host syncs are CUDA's)")
-def test_a_probe_reading_on_a_gpu_waits_for_the_device_once_and_once_per_attention(tmp_path):
-    """On CUDA the reductions (histograms included) run on a side stream without a host sync: a
-    probe reading waits for the device once, for its readings' transfer, and once per attention
-    call, whose heads' count of queries is needed to shape their readings; values still the truth."""
+def test_a_probe_reading_on_a_gpu_waits_for_the_device_once(tmp_path):
+    """On CUDA the reductions (histograms, attention heads included) run on a side stream without
+    a host sync: a probe reading with a host probe waits for the device once, for its readings'
+    transfer; values still the truth."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(attend=True), Swap(), Block(attend=True)).cuda()
     kill(model[0].fc.bias, 2)
@@ -358,7 +358,7 @@ def test_a_probe_reading_on_a_gpu_waits_for_the_device_once_and_once_per_attenti
     with Monitor(model, torch.randn(4, 5, 6), tmp_path / "b.parquet", grad_every=None) as mon:  # a host probe
         syncs(0)  # the first under the debug mode (torch's own once-per-process set-up)
         seen = syncs(1)
-    assert len(seen) == 1 + 2, seen
+    assert len(seen) == 1, seen
     assert dead(tmp_path / "b.parquet", "0.relu") == [2 / 6] * 2
     table = actrace.read_table(tmp_path / "b.parquet").to_pylist()
     assert [r["min"] for r in table if r["layer"] == "2.attention_sink"] == pytest.approx([1 / 5] * 2)
@@ -500,7 +500,7 @@ def test_two_threads_reading_at_once_leave_sdpa_as_it_was(tmp_path):
     a, b = nn.Sequential(Block(attend=True)), nn.Sequential(Block(attend=True))
     first = Monitor(a, torch.randn(4, 5, 6), tmp_path / "a.parquet", grad_every=None)
     second = Monitor(b, torch.randn(4, 5, 6), tmp_path / "b.parquet", grad_every=None)
-    names = [r.layer for r in first.forward.read()]
+    names = [r.layer for r in first.forward.read()[0]]
     b_on, a_off = threading.Event(), threading.Event()
 
     def in_a():
@@ -515,7 +515,7 @@ def test_two_threads_reading_at_once_leave_sdpa_as_it_was(tmp_path):
         assert a_off.wait(HUNG)
     thread.join(HUNG)
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
-    assert [r.layer for r in first.forward.read()] == names and "0.attention_entropy" in names
+    assert [r.layer for r in first.forward.read()[0]] == names and "0.attention_entropy" in names
     first.close()
     second.close()
 
@@ -541,7 +541,7 @@ def test_a_torch_transformer_encoder_reads_the_same_replayed_as_traced(tmp_path,
         assert mon.mode == "eval"
         if not replay:
             mon.forward.trace.plan = None
-        readings.append([(r.layer, r.unit_axis, r.count, r.sum, r.min, r.max) for r in mon.forward.read()])
+        readings.append([(r.layer, r.unit_axis, r.count, r.sum, r.min, r.max) for r in mon.forward.read()[0]])
         mon.close()
     assert readings[0] == readings[1] and len(readings[0]) > 10
 
@@ -609,20 +609,29 @@ def test_depth_is_forward_order_even_when_gradients_come_first(tmp_path):
     assert index["stem"] < index["middle"] < index["head"]
 
 
-def test_a_mutated_or_replaced_probe_is_seen_at_the_next_reading(tmp_path):
+@pytest.mark.parametrize("device", DEVICES + ["as-a-device"])
+def test_a_mutated_or_replaced_probe_is_seen_at_the_next_reading(tmp_path, device, monkeypatch):
+    """Also a probe on the model's device, whose values are compared there, the answer reaching the
+    host with the readings (`as-a-device`: that path taken by a CPU tensor)."""
+    from actrace.reduce import torch as reductions
+
+    if device == "as-a-device":
+        monkeypatch.setattr(reductions, "on_device", lambda v: isinstance(v, torch.Tensor))
+        device = "cpu"
     torch.manual_seed(0)
-    model, probe = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(16, 4)
+    model, probe = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).to(device), torch.randn(16, 4, device=device)
     path = tmp_path / "p.parquet"
     with Monitor(model, probe, path) as mon:
         mon.probe_reading(0)
         mon.probe_reading(1)
         probe.normal_()
         mon.probe_reading(2)
-        mon.probe = torch.ones(16, 4)
+        mon.probe = torch.ones(16, 4, device=device)
         mon.probe_reading(3)
     fps = {r["step"]: r["probe_fingerprint"] for r in actrace.read_table(path).to_pylist()}
     assert fps[0] == fps[1] and len({fps[1], fps[2], fps[3]}) == 3
-    assert fps[2] == actrace.fingerprint(probe.numpy()) and fps[3] == actrace.fingerprint(np.ones((16, 4), np.float32))
+    assert fps[2] == actrace.fingerprint(probe.cpu().numpy())
+    assert fps[3] == actrace.fingerprint(np.ones((16, 4), np.float32))
     assert any(f.rule == "probe_changed" for f in findings(metrics(path)))
 
 

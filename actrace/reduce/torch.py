@@ -49,6 +49,7 @@ class Pending:
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
     relu: dict | None = None  # the statistics of relu(x), when the pass was asked for them
+    rows: int | None = None  # the entries of the first axis before a device left out some (`rows`)
 
 
 _scratch = threading.local()  # per thread: reused buffers (scratch_like)
@@ -87,12 +88,12 @@ _ON_DEVICE: dict = {}  # (what, dtype, device) -> a tensor made once on that dev
 
 
 def _on(device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
-    """The signed edges, or (0, +inf, −inf), of `dtype` on `device`, made once there: a host tensor
+    """The signed edges, or (0, +inf, −inf, NaN), of `dtype` on `device`, made once there: a host tensor
     copied to the device at every reading would wait for it."""
     key = (what, dtype, device)
     t = _ON_DEVICE.get(key)
     if t is None:
-        t = _signed_edges(dtype) if what == "edges" else torch.tensor([0.0, math.inf, -math.inf], dtype=dtype)
+        t = _signed_edges(dtype) if what == "edges" else torch.tensor([0.0, math.inf, -math.inf, math.nan], dtype=dtype)
         t = _ON_DEVICE[key] = t.to(device)
     return t
 
@@ -122,9 +123,12 @@ def _flat_nested(x: torch.Tensor, unit_axis: int | None) -> tuple[torch.Tensor, 
 def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, **options) -> Pending:
     """Reduce a floating tensor over every axis but `unit_axis`, now (before anything can change it
     in place), on its device: CPU float32 by the fused kernel, anything else by torch kernels.
-    Options: `layer` (required), `stream`, `bounds`, `param`, `per_unit`, `histogram`, and
-    `relu_too`: the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x holds
-    no NaN or Inf, so a ReLU that follows is read without a pass of its own (see `relu_of`)."""
+    Options: `layer` (required), `stream`, `bounds`, `param`, `per_unit`, `histogram`, `relu_too`:
+    the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x holds no NaN or
+    Inf, so a ReLU that follows is read without a pass of its own (see `relu_of`), and `rows`: a
+    boolean mask over the leading axes of the entries to read (the reading's first axis), the others
+    left out (on a device without a host sync: read as NaN, then taken out of the NaN count and
+    the shape on the host)."""
     return reduce_tensors([(t, unit_axis, kind, options)])[0]
 
 
@@ -144,13 +148,23 @@ def reduce_tensors(calls: list[tuple[torch.Tensor, int | None, str, dict]]) -> l
 
 def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
               bounds=None, param: str | None = None, per_unit: bool = True, histogram: bool = True,
-              relu_too: bool = False) -> tuple[Pending, torch.Tensor, int, bool, bool]:
+              relu_too: bool = False, rows: torch.Tensor | None = None
+              ) -> tuple[Pending, torch.Tensor, int, bool, bool]:
     """A call of `reduce_tensor` checked (spec §Numerics, naming the layer) and set up: its pending
     reading, the tensor as it is reduced (half precision widened, a nested one flattened, one unit
     as a column; a copy of a CUDA tensor reduced on the side stream: `_beside`), the unit axis in
     it, whether to histogram it, and `relu_too`."""
-    x = t.detach()
-    fresh = x.is_nested or x.dtype in (torch.float16, torch.bfloat16)  # made anew below: a copy already
+    x, kept = t.detach(), None
+    if rows is not None:  # its leading axes one axis of the entries kept
+        unit_axis = None if unit_axis is None else unit_axis % x.ndim - rows.ndim + 1
+        if on_device(x):  # those left out as NaN, in a (contiguous) copy made here
+            nan = _on(x.device, "constants", x.dtype)[3]
+            x = torch.where(rows[(...,) + (None,) * (x.ndim - rows.ndim)], x, nan,
+                            out=torch.empty(x.shape, dtype=x.dtype, device=x.device)).view(-1, *x.shape[rows.ndim:])
+            kept = x.shape[0]
+        else:
+            x = x[rows]
+    fresh = kept is not None or x.is_nested or x.dtype in (torch.float16, torch.bfloat16)  # a copy already
     dtype = str(x.dtype).removeprefix("torch.")
     check_reducible(x.is_floating_point(), dtype, (1,), layer)
     if x.is_nested:
@@ -159,13 +173,15 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     elif x.is_cuda and SIDE_STREAM and not fresh:  # the values as they are now, whatever the model does next
-        x = x.clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # contiguous: the binary search reads it so
     shape = tuple(x.shape)
     if unit_axis is None:
         x, axis = x.reshape(-1, 1), 1
     else:
         axis = unit_axis % x.ndim
     pending = Pending(layer, kind, stream, dtype, shape, unit_axis, bounds_for(kind, bounds), param, per_unit)
+    if kept is not None:
+        pending.rows, pending.stats["kept_rows"] = kept, rows.sum()
     return pending, x, axis, histogram and per_unit, relu_too
 
 
@@ -182,7 +198,7 @@ def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
     """The kernel's statistics into the pending reading, with the saturation counts of a bounded
     kind, and relu(x)'s where the pass gave them and x holds no NaN or Inf."""
     relu = st.pop("relu")
-    pending.stats = {k: v for k, v in st.items() if v is not None}
+    pending.stats.update((k, v) for k, v in st.items() if v is not None)
     if pending.bounds is not None and pending.per_unit:
         pending.stats["sat_counts"] = sat_counts(view, pending.bounds)
     if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
@@ -207,7 +223,7 @@ def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) 
     per_unit, bounds, c = pending.per_unit, pending.bounds, centre(pending.bounds)
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
-    pending.stats = _masked(x, axis, c, pending.kind == "relu", histogram, moments=per_unit)
+    pending.stats.update(_masked(x, axis, c, pending.kind == "relu", histogram, moments=per_unit))
     if bounds is not None and per_unit:
         pending.stats["sat_counts"] = sat_counts(x, bounds, torch)
     return pending
@@ -221,7 +237,7 @@ def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, m
     fourth powers, and min |h - c|. Extremes of a unit with no finite value are ±inf, and the count
     of ±inf is left out: `_finish` makes them NaN, and the count, on the host."""
     dims = [d for d in range(x.ndim) if d != axis]
-    zero, inf, minus_inf = _on(x.device, "constants", x.dtype)
+    zero, inf, minus_inf, _ = _on(x.device, "constants", x.dtype)
     size = torch.abs(x, out=scratch_like(x, x.dtype, slot=3))
     finite = torch.lt(size, inf, out=scratch_like(x, torch.bool, slot=1))  # NaN and ±inf are not below +inf
     nan = torch.isnan(x)
@@ -246,7 +262,7 @@ def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, m
         dev = torch.abs(torch.sub(x, c, out=work), out=work) if c else size
         s["unit_min_dev"] = torch.where(finite, dev, inf, out=work).amin(dims)
     s["nan_count"] = nan.sum()
-    if histogram and x.device.type == "cpu":  # the core's numpy histogram
+    if histogram and not on_device(x):  # the core's numpy histogram
         s["hist"] = torch.from_numpy(bins.histogram(x.contiguous().numpy(), int(s["unit_zero"].sum())))
     elif histogram:
         s["hist"] = bucketize_histogram(x, nan)
@@ -389,13 +405,18 @@ def relu_of(source: Pending, layer: str) -> Pending:
 
 def to_readings(pending: list[Pending]) -> list[Reading]:
     """Move every pending reading's statistics to the host in one transfer and finish them."""
-    if not pending:
-        return []
+    return transfer(pending)[0]
+
+
+def transfer(pending: list[Pending], also: list = ()) -> tuple[list[Reading], list]:
+    """`to_readings`, and the host values of `also` (device tensors moved in the same transfer)."""
     # a reading's statistics lie on one device, its tensor's: one look at each reading says where
-    if not any(_on_device(next(iter(p.stats.values()), None)) for p in pending):
-        return [_finish(p, dict(p.stats)) for p in pending]  # on the host: nothing to batch, nor to convert
-    host = iter(_to_host([v for p in pending for v in p.stats.values()]))
-    return [_finish(p, {k: next(host) for k in p.stats}) for p in pending]
+    if not also and not any(on_device(next(iter(p.stats.values()), None)) for p in pending):
+        return [_finish(p, dict(p.stats)) for p in pending], []  # on the host: nothing to batch, nor to convert
+    host = _to_host([v for p in pending for v in p.stats.values()] + list(also))
+    values = iter(host)
+    readings = [_finish(p, {k: next(values) for k in p.stats}) for p in pending]
+    return [r for r in readings if r is not None], list(values)
 
 
 _WORDS = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32}
@@ -408,7 +429,7 @@ def _to_host(values: list) -> list:
     out = list(values)
     devices: dict = {}
     for i, v in enumerate(values):
-        if _on_device(v):
+        if on_device(v):
             devices.setdefault(v.device, []).append(i)
     for dev, items in devices.items():
         if dev in _sides:  # statistics taken on the side stream: the model's stream waits for them
@@ -423,20 +444,29 @@ def _to_host(values: list) -> list:
     return out
 
 
-def _on_device(v) -> bool:
+def on_device(v) -> bool:
+    """Whether `v` is a tensor on an accelerator: its values reach the host only by a transfer."""
     return isinstance(v, torch.Tensor) and v.device.type != "cpu"
 
 
-def _finish(p: Pending, v: dict) -> Reading:
+def _finish(p: Pending, v: dict) -> Reading | None:
+    """The reading from its statistics on the host; None where a device left out every row."""
+    shape = p.shape
+    if p.rows is not None:  # entries a device left out, as NaN: out of the count and the shape
+        kept = int(np.asarray(v.pop("kept_rows")).sum())
+        if not kept:
+            return None
+        shape = (kept, *shape[1:])
+        v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - (p.rows - kept) * math.prod(shape[1:])
     if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
         finite, nan = np.asarray(v["unit_count"]).sum(), np.asarray(v["nan_count"]).sum()
-        v["inf_count"] = math.prod(p.shape) - int(finite) - int(nan)
+        v["inf_count"] = math.prod(shape) - int(finite) - int(nan)
         for k in ("unit_min", "unit_max", "unit_min_dev"):  # a unit with no finite value: NaN
             if k in v:
                 a = np.asarray(v[k])
                 v[k] = np.where(np.isinf(a), np.nan, a)
     norm = v.pop("update_norm", None)
-    return Reading.from_stats(v, shape=p.shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
+    return Reading.from_stats(v, shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
                               kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,
                               update_norm=None if norm is None else float(np.asarray(norm).reshape(-1)[0]))
 

@@ -106,9 +106,10 @@ class Monitor(Recorder):
     def probe_reading(self, step: int) -> int:
         """Run the probe (eval mode, no_grad, chunked) and record every selected reading."""
         self.last_probe = step
-        fingerprint = self.forward.probe.check()
+        changed = self.forward.probe.check()
         with collector_paused():
-            return self.write(step, self.forward.read(), mode=self.mode, probe_fingerprint=fingerprint)
+            readings, changed = self.forward.read(changed)
+            return self.write(step, readings, mode=self.mode, probe_fingerprint=self.forward.probe.settle(changed))
 
     def gradient_reading(self, step: int) -> int:
         """Record every parameter's gradient (layer-level: norm, extremes, zeros, NaN/Inf), and the

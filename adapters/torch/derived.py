@@ -22,65 +22,49 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
              "is_causal")
 
 
-def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, torch.Tensor] | None:
+def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's
     lowest value (an additive mask), a key any head masks left out, and with `causal` the keys
     after the query's position (SDPA's mask): per query and head (last axis), its largest logit over
-    the keys it may attend, its entropy over them divided by ln(keys) (queries of 2 keys or more),
-    and its mass on the first key it may attend. A NaN score stays: it is read as one. On a CPU, by
-    the fused kernel (one read of the scores, the causal mask applied as it reads); elsewhere by torch."""
+    the keys it may attend, its entropy over them divided by ln(keys), and its mass on the first key
+    it may attend, as `[B, Q, H]` with the `[B, Q]` queries that hold one (those that may attend a
+    key; two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`: `[queries,
+    H]`), so nothing here waits for the device to say which they are. A NaN score stays: it is read as one.
+    On a CPU, by the fused kernel (one read of the scores, the causal mask applied as it reads);
+    elsewhere by torch."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
     if x.device.type == "cpu" and kernel.available:
-        peak, entropy, sink, n = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
-        n = torch.as_tensor(n)
-        counts = [int((n >= 1).sum()), int((n >= 2).sum())]
+        found = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
+        peak, entropy, sink, n = map(torch.as_tensor, found)
     else:
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
-        peak, entropy, sink, n, counts = _per_head(x, lowest)
-    return {"attention_logit": _where(peak, n >= 1, counts[0]),
-            "attention_entropy": _where(entropy, n >= 2, counts[1]), "attention_sink": _where(sink, n >= 1, counts[0])}
-
-
-def _where(per_query, rows, count: int) -> torch.Tensor:
-    """`[B, Q, H]` numbers of the `count` queries `rows` (`[B, Q]`) marks, as `[queries, H]`: a view
-    where every query is marked (the usual case), else those rows gathered (no host sync: the
-    count is known)."""
-    flat = torch.as_tensor(per_query).reshape(-1, per_query.shape[-1])
-    if count == len(flat):
-        return flat
-    return flat.index_select(0, torch.nonzero_static(torch.as_tensor(rows).reshape(-1), size=count).squeeze(1))
+        peak, entropy, sink, n = _per_head(x, lowest)
+    some = n >= 1
+    return {"attention_logit": (peak, some), "attention_entropy": (entropy, n >= 2), "attention_sink": (sink, some)}
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
     """`kernel.attention_scores` in torch: the scores less their peak into a reused buffer, one
     fused softmax of them into another; the entropy (nats) is −log of the largest probability less
     the expected score about the peak (no logarithm per score, and no cancellation at large logits).
-    Also how many queries may attend a key and two keys: with whether any key is left out, the
-    call's one host sync."""
+    The same kernels whatever is masked: nothing waits for the device to say."""
     batch, heads, queries, keys = x.shape
     masked = (x <= lowest).any(1)  # [B, Q, K]: a key some head leaves out (its NaN with it); NaN is read
     n = keys - masked.sum(-1)
-    flags = torch.stack([masked.any(), masked[..., 0].any(), (n >= 1).sum(), (n >= 2).sum()])
-    some, first_out, *counts = flags.tolist()
-    masked = masked if some else None
-    d = scratch_like(x, torch.float32, slot=2)
-    if masked is not None:  # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
-        x = d.copy_(x).masked_fill_(masked[:, None], _LEFT_OUT)  # a number: no tensor made on the host
+    # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
+    x = scratch_like(x, torch.float32, slot=2).copy_(x).masked_fill_(masked[:, None], _LEFT_OUT)
     peak = x.amax(-1, keepdim=True)
-    d = torch.sub(x, peak, out=d)
+    d = x.sub_(peak)
     p = torch.ops.aten._softmax.out(d, -1, False, out=scratch_like(x, torch.float32))
-    if first_out:  # a query that may not attend key 0 (left padding)
-        first = (~masked).to(torch.int8).argmax(-1)  # its first key
-        sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
-    else:
-        sink = p[..., 0].clone()
+    first = (~masked).to(torch.int8).argmax(-1)  # each query's first key it may attend (left padding: not 0)
+    sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
     nats = -p.amax(-1).log() - p.mul_(d).sum(-1)  # Σ p·(x − peak) in place: p is not needed after
     entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
-    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n, counts
+    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n
 
 
 def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:

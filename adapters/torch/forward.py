@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from actrace.reduce import fold
-from actrace.reduce.torch import Pending, reduce_tensors, relu_of, to_readings
+from actrace.reduce.torch import Pending, reduce_tensors, relu_of, transfer
 
 from . import ranks
 from .fsdp import reshard
@@ -92,7 +92,8 @@ class ProbeForward:
             else:
                 t, hold = out.tensor, self.batches and self.batchable(out)
                 self._held.append((out, t._version if hold else None, (t, self.axis(out), out.kind, dict(
-                    layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu))))
+                    layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu,
+                    rows=out.rows))))
                 self._held_bytes += _kept_alive(t) if hold else HOLD
                 if self._held_bytes >= HOLD:
                     self._read_held()
@@ -149,11 +150,13 @@ class ProbeForward:
             return Probe.call(self.runner, chunk)
         return self.pipeline.call(self.model, chunk, trace.axes)
 
-    def read(self) -> list:
+    def read(self, also: torch.Tensor | None = None) -> tuple[list, object]:
         """This rank's share of the probe (all of it, tensor and pipeline parallel), chunk by chunk
         (one host transfer each), merged, and across ranks all-reduced (data parallel), joined
-        (tensor parallel: each rank's slice of a layer's units) or gathered (each stage's layers)."""
+        (tensor parallel: each rank's slice of a layer's units) or gathered (each stage's layers);
+        and `also` (a device tensor: the probe's check) moved with the first chunk's transfer."""
         merged, held, split = {}, {}, self.split
+        moving = [] if also is None else [also]
         share = (split.rank, split.size) if split else (0, 1) if self.pipeline is not None else (self.rank, self.world)
         with self.evaluation():
             for chunk in self.probe.chunks(*share, self.chunk):
@@ -161,7 +164,10 @@ class ProbeForward:
                 for out, tag in self._outputs:
                     out.reading.layer = out.name  # the name the trace settled on, once the chunk ran
                     held[out.name] = tag
-                fold(merged, to_readings([out.reading for out, _ in self._outputs if out.name is not None]))
+                readings, host = transfer([out.reading for out, _ in self._outputs if out.name is not None], moving)
+                if moving:
+                    also, moving = host[0], []
+                fold(merged, readings)
                 self._outputs = []
         readings = list(merged.values())
         if split:
@@ -172,7 +178,7 @@ class ProbeForward:
             readings = self.pipeline.gather(readings)
         elif self.world > 1 and not split:
             readings = ranks.merge_shares(readings, self.probe.device)
-        return readings
+        return readings, also
 
     def _chunk(self, chunk) -> None:
         """The chunk's forward under the trace, each reading in `_outputs`; run again, every tensor

@@ -4,7 +4,7 @@ A tensor, a dict of keyword inputs, a tuple of positional ones, or any nesting o
 of any dtype (integer ids included) are cut into chunks along their first axis and moved to the
 model's device, everything else is passed as it is. The fingerprint is taken again whenever the
 probe changed (compared on its own device with a snapshot, so `probe.normal_()` or a new probe
-is seen), and the device copy with it.
+is seen; on the model's device, with the readings' transfer), and the device copy with it.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from actrace.format.fingerprint import fingerprint
+from actrace.reduce import torch as reductions
 
 
 def _name(path) -> str:
@@ -40,17 +41,36 @@ class Probe:
     def size(self) -> int:
         return len(self.tensors[0][1]) if self.tensors[0][1].ndim else 1
 
-    def check(self) -> str:
-        """The probe's fingerprint, taken again (with its device copy) when the probe changed."""
+    def check(self) -> torch.Tensor | None:
+        """Take the fingerprint again (with the device copy) where the probe changed, as far as the
+        host can tell at once: another structure, a host tensor's values, or those of one a reading
+        copies to its device. A tensor on the device the probe runs on is read as it is, so its
+        values are compared there: the answer is a device flag, to `settle` once it reaches the host
+        with the readings (no host sync of its own)."""
         now = self.tensors
-        same = self._snapshot is not None and len(now) == len(self._snapshot) and all(
-            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-            for (_, a), b in zip(now, self._snapshot))
-        if not same:
-            self._snapshot = [t.detach().clone() for _, t in now]
-            self.fingerprint = _fingerprint(now)
-            self._moved = pytree.tree_map(self._to_device, self.value)
+        if self._snapshot is None or len(now) != len(self._snapshot) or any(
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for (_, a), b in zip(now, self._snapshot)):
+            self._take(now)
+            return None
+        there = []
+        for (_, a), b in zip(now, self._snapshot):
+            if reductions.on_device(a) and a.device == self.device:
+                there.append(torch.ne(a, b).any())  # NaN is never equal, as for torch.equal
+            elif not torch.equal(a, b):
+                self._take(now)
+                return None
+        return torch.stack(there).any() if there else None
+
+    def settle(self, changed) -> str:
+        """The fingerprint, taken again where `check`'s device flag, now on the host, says so."""
+        if changed is not None and np.asarray(changed).any():
+            self._take(self.tensors)
         return self.fingerprint
+
+    def _take(self, now: list[tuple[str, torch.Tensor]]) -> None:
+        self._snapshot = [t.detach().clone() for _, t in now]
+        self.fingerprint = _fingerprint(now)
+        self._moved = pytree.tree_map(self._to_device, self.value)
 
     def _to_device(self, leaf):
         if isinstance(leaf, torch.Tensor) and self.device is not None and leaf.device != self.device:

@@ -104,7 +104,8 @@ def output_tensors(output, prefix: str = ""):
 class Output:
     """A tensor to read: its reading's name, kind, bounds, unit axis, and the module it belongs to.
     `feeds_relu`: a ReLU of exactly this tensor comes next, so its pass may give that reading
-    too; `relu_of`: this ReLU's reading may come from that Output's pass. `reading` is the sink's."""
+    too; `relu_of`: this ReLU's reading may come from that Output's pass; `rows`: a mask of the
+    first axis's entries that the reading keeps (derived readings). `reading` is the sink's."""
 
     name: str
     kind: str
@@ -114,6 +115,7 @@ class Output:
     module: torch.nn.Module | None
     feeds_relu: bool = False
     relu_of: "Output | None" = None
+    rows: torch.Tensor | None = None
     reading: object = None
 
 
@@ -374,9 +376,12 @@ class ForwardTrace(TorchFunctionMode):
         for base in bases.values():  # names count every reading made, selected or not
             self._name(base)
         for kind, t in (tensors or {}).items():
+            t, rows = t if isinstance(t, tuple) else (t, None)  # rows: those of `t` the reading keeps
+            if rows is not None and rows.device.type == "cpu" and not rows.any():
+                continue  # none (on a device: the reading of none is dropped on the host)
             if t.numel() and self.wanted(names[kind], module):
                 self.axes.set(t, -1 if kind in PER_UNIT_KINDS else None)  # queries or tokens first: chunks merge
-                self._sink(names[kind], kind, None, t, module)
+                self._sink(names[kind], kind, None, t, module, rows=rows)
 
     def _interface(self, fn, module, query, key, value, mask, args, kwargs):
         """A Hugging Face attention implementation's call (`interfaces`): in a probe forward, its
@@ -434,11 +439,12 @@ class ForwardTrace(TorchFunctionMode):
             self.taken += 1
         return base if n == 1 else f"{base}#{n}"
 
-    def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False) -> Output:
-        """Hand a reading to the sink; a layer output (`defer`) waits for the next event, in case
-        a ReLU of it follows."""
+    def _sink(self, name: str, kind: str, bounds, t: torch.Tensor, module, defer: bool = False,
+              rows: torch.Tensor | None = None) -> Output:
+        """Hand a reading to the sink (of the `rows` of `t`, if given); a layer output (`defer`)
+        waits for the next event, in case a ReLU of it follows."""
         axis = self.axes.of(t)
-        out = Output(name, kind, bounds, t, None if axis is LOST else axis, module)
+        out = Output(name, kind, bounds, t, None if axis is LOST else axis, module, rows=rows)
         if self.relu is not None and self.relu[0] is t:
             out.relu_of = self.relu[1]
         self._flush()
