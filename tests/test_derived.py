@@ -162,6 +162,22 @@ def test_every_attention_implementation_reads_the_same_heads_and_a_sharpened_lay
     assert per_unit(eager, logit[1], "max").min() > 10 * per_unit(eager, logit[0], "max").max()
 
 
+@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+def test_a_unit_axis_given_for_every_reading_puts_the_heads_of_an_attention_on_axis_1(tmp_path, where, monkeypatch):
+    """`unit_axes={"*": 1}` matches the derived readings too: axis 1 of their `[queries, heads]`,
+    the heads, whichever path took the numbers."""
+    from actrace.reduce import kernel
+
+    if where == "torch-ops":
+        monkeypatch.setattr(kernel, "available", False)
+    torch.manual_seed(0)
+    got = record(llama("sdpa"), torch.randint(0, 64, (2, 6)), tmp_path / "u.parquet", unit_axes={"*": 1})
+    heads = got.filter(pl.col("kind").is_in(ATTENTION_KINDS))
+    assert heads.height == 6 and set(heads["units"]) == {4} and set(heads["unit_axis"]) == {1}
+    entropy = heads.filter(pl.col("kind") == "attention_entropy")
+    assert entropy["shape"].to_list() == [[2 * 5, 4]] * 2  # each sequence's first query attends one key only
+
+
 def test_the_lm_head_reads_log_z_and_max_logit_per_position_as_the_model_computes_them(tmp_path):
     torch.manual_seed(0)
     model = gpt2("sdpa").eval()

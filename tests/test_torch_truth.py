@@ -628,10 +628,15 @@ def test_a_mutated_or_replaced_probe_is_seen_at_the_next_reading(tmp_path, devic
         mon.probe_reading(2)
         mon.probe = torch.ones(16, 4, device=device)
         mon.probe_reading(3)
-    fps = {r["step"]: r["probe_fingerprint"] for r in actrace.read_table(path).to_pylist()}
+    table = actrace.read_table(path).to_pylist()
+    fps = {r["step"]: r["probe_fingerprint"] for r in table}
     assert fps[0] == fps[1] and len({fps[1], fps[2], fps[3]}) == 3
     assert fps[2] == actrace.fingerprint(probe.cpu().numpy())
     assert fps[3] == actrace.fingerprint(np.ones((16, 4), np.float32))
+    sums = {r["step"]: r["sum"] for r in table if r["layer"] == "0"}  # and each step read the probe it names
+    with torch.no_grad():
+        assert sums[2] == pytest.approx(float(model[0](probe).double().sum()), rel=1e-5)
+        assert sums[3] == pytest.approx(float(model[0](torch.ones(16, 4, device=device)).double().sum()), rel=1e-5)
     assert any(f.rule == "probe_changed" for f in findings(metrics(path)))
 
 

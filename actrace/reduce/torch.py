@@ -28,7 +28,7 @@ from .reading import Reading, ReductionError
 from .reference import centre, check_reducible, sat_counts
 
 _F64 = torch.float64
-SIDE_STREAM = True  # a CUDA tensor's reductions on its device's side stream (`_beside`), not the model's
+SIDE_STREAM = True  # a CUDA tensor's reductions on its device's side stream (`_aside`), not the model's
 _sides: dict = {}  # device -> its side stream
 
 
@@ -104,8 +104,8 @@ def bucketize_histogram(x: torch.Tensor, nan: torch.Tensor | None = None) -> tor
     `histc` over the bins' numbers, in float64 (exact, as given), which needs no host sync, or by `bincount`
     (which syncs for its size) where deterministic algorithms are asked for: CUDA's `histc` has none."""
     x = x if x.dtype == _F64 else x.float()
-    idx = torch.bucketize(x, _on(x.device, "edges", x.dtype)).masked_fill_(torch.isnan(x) if nan is None else nan,
-                                                                          bins.N_BINS).reshape(-1)
+    idx = torch.bucketize(x, _on(x.device, "edges", x.dtype), out_int32=True)
+    idx = idx.masked_fill_(torch.isnan(x) if nan is None else nan, bins.N_BINS).reshape(-1)
     if x.is_cuda and torch.are_deterministic_algorithms_enabled():
         return torch.bincount(idx, minlength=bins.N_BINS + 1)[: bins.N_BINS]
     return torch.histc(idx.to(_F64), bins=bins.N_BINS, min=-0.5, max=bins.N_BINS - 0.5)  # counts, as float64
@@ -126,9 +126,8 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, **options) 
     Options: `layer` (required), `stream`, `bounds`, `param`, `per_unit`, `histogram`, `relu_too`:
     the kernel's pass also gives relu(x)'s statistics (`Pending.relu`), where x holds no NaN or
     Inf, so a ReLU that follows is read without a pass of its own (see `relu_of`), and `rows`: a
-    boolean mask over the leading axes of the entries to read (the reading's first axis), the others
-    left out (on a device without a host sync: read as NaN, then taken out of the NaN count and
-    the shape on the host)."""
+    boolean mask of the first axis's entries to read, the others left out (on a device without a
+    host sync: read as NaN, then taken out of the NaN count and the shape on the host)."""
     return reduce_tensors([(t, unit_axis, kind, options)])[0]
 
 
@@ -142,8 +141,16 @@ def reduce_tensors(calls: list[tuple[torch.Tensor, int | None, str, dict]]) -> l
              if kernel.available and x.device.type == "cpu" and x.dtype == torch.float32}
     for i, st in zip(tasks, kernel.reduce_many(list(tasks.values()))):
         _kernel_stats(prepared[i][0], tasks[i][0], st)
-    return [p if i in tasks else _beside(p, x, axis, histogram) if x.is_cuda and SIDE_STREAM
+    return [p if i in tasks else _beside(p, x, axis, histogram) if _aside(x, p.per_unit)
             else _torch_stats(p, x, axis, histogram) for i, (p, x, axis, histogram, _) in enumerate(prepared)]
+
+
+def _aside(x: torch.Tensor, per_unit: bool) -> bool:
+    """Whether `x` is reduced on its device's side stream (`SIDE_STREAM`): a CUDA tensor of a
+    per-unit reading (a probe's, or an activation gradient's, read while the model runs on), not a
+    layer-level one (parameters and their gradients, read between steps: a copy of each would only
+    cost memory), nor one in a CUDA graph being captured."""
+    return SIDE_STREAM and per_unit and x.is_cuda and not torch.cuda.is_current_stream_capturing()
 
 
 def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, stream: str = "activation",
@@ -155,15 +162,11 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
     as a column; a copy of a CUDA tensor reduced on the side stream: `_beside`), the unit axis in
     it, whether to histogram it, and `relu_too`."""
     x, kept = t.detach(), None
-    if rows is not None:  # its leading axes one axis of the entries kept
-        unit_axis = None if unit_axis is None else unit_axis % x.ndim - rows.ndim + 1
-        if on_device(x):  # those left out as NaN, in a (contiguous) copy made here
-            nan = _on(x.device, "constants", x.dtype)[3]
-            x = torch.where(rows[(...,) + (None,) * (x.ndim - rows.ndim)], x, nan,
-                            out=torch.empty(x.shape, dtype=x.dtype, device=x.device)).view(-1, *x.shape[rows.ndim:])
-            kept = x.shape[0]
-        else:
-            x = x[rows]
+    if rows is not None and on_device(x):  # those left out as NaN, in a copy made here
+        nan = _on(x.device, "constants", x.dtype)[3]
+        kept, x = len(x), torch.where(rows.reshape(-1, *[1] * (x.ndim - 1)), x, nan)
+    elif rows is not None and not bool(rows.all()):  # on the host (every row kept, as usual: nothing to do)
+        x = x[rows]
     fresh = kept is not None or x.is_nested or x.dtype in (torch.float16, torch.bfloat16)  # a copy already
     dtype = str(x.dtype).removeprefix("torch.")
     check_reducible(x.is_floating_point(), dtype, (1,), layer)
@@ -172,7 +175,7 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
     check_reducible(True, dtype, tuple(x.shape), layer)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    elif x.is_cuda and SIDE_STREAM and not fresh:  # the values as they are now, whatever the model does next
+    elif not fresh and _aside(x, per_unit):  # the values as they are now, whatever the model does next
         x = x.clone(memory_format=torch.contiguous_format)  # contiguous: the binary search reads it so
     shape = tuple(x.shape)
     if unit_axis is None:
@@ -403,20 +406,20 @@ def relu_of(source: Pending, layer: str) -> Pending:
                    bounds_for("relu"), stats=dict(source.relu))
 
 
-def to_readings(pending: list[Pending]) -> list[Reading]:
-    """Move every pending reading's statistics to the host in one transfer and finish them."""
+def to_readings(pending: list[Pending]) -> list[Reading | None]:
+    """Move every pending reading's statistics to the host in one transfer and finish them, one
+    reading each: None for one given `rows` of which a device kept none."""
     return transfer(pending)[0]
 
 
-def transfer(pending: list[Pending], also: list = ()) -> tuple[list[Reading], list]:
+def transfer(pending: list[Pending], also: list = ()) -> tuple[list[Reading | None], list]:
     """`to_readings`, and the host values of `also` (device tensors moved in the same transfer)."""
     # a reading's statistics lie on one device, its tensor's: one look at each reading says where
     if not also and not any(on_device(next(iter(p.stats.values()), None)) for p in pending):
         return [_finish(p, dict(p.stats)) for p in pending], []  # on the host: nothing to batch, nor to convert
     host = _to_host([v for p in pending for v in p.stats.values()] + list(also))
     values = iter(host)
-    readings = [_finish(p, {k: next(values) for k in p.stats}) for p in pending]
-    return [r for r in readings if r is not None], list(values)
+    return [_finish(p, {k: next(values) for k in p.stats}) for p in pending], list(values)
 
 
 _WORDS = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32}

@@ -27,9 +27,9 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tu
     lowest value (an additive mask), a key any head masks left out, and with `causal` the keys
     after the query's position (SDPA's mask): per query and head (last axis), its largest logit over
     the keys it may attend, its entropy over them divided by ln(keys), and its mass on the first key
-    it may attend, as `[B, Q, H]` with the `[B, Q]` queries that hold one (those that may attend a
-    key; two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`: `[queries,
-    H]`), so nothing here waits for the device to say which they are. A NaN score stays: it is read as one.
+    it may attend, as `[B·Q, H]` with the `[B·Q]` queries that hold one (those that may attend a
+    key; two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`), so
+    nothing here waits for the device to say which they are. A NaN score stays: it is read as one.
     On a CPU, by the fused kernel (one read of the scores, the causal mask applied as it reads);
     elsewhere by torch."""
     if logits is None:
@@ -43,28 +43,32 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tu
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
         peak, entropy, sink, n = _per_head(x, lowest)
-    some = n >= 1
-    return {"attention_logit": (peak, some), "attention_entropy": (entropy, n >= 2), "attention_sink": (sink, some)}
+    some, heads = (n >= 1).reshape(-1), peak.shape[-1]
+    return {"attention_logit": (peak.reshape(-1, heads), some),
+            "attention_entropy": (entropy.reshape(-1, heads), (n >= 2).reshape(-1)),
+            "attention_sink": (sink.reshape(-1, heads), some)}
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
-    """`kernel.attention_scores` in torch: the scores less their peak into a reused buffer, one
-    fused softmax of them into another; the entropy (nats) is −log of the largest probability less
-    the expected score about the peak (no logarithm per score, and no cancellation at large logits).
-    The same kernels whatever is masked: nothing waits for the device to say."""
+    """`kernel.attention_scores` in torch, as `[B, Q, H]` (heads last: `[B·Q, H]` is a view): the
+    scores less their peak into a reused buffer, one fused softmax of them into another; the
+    entropy (nats) is −log of the largest probability less the expected score about the peak (no
+    logarithm per score, and no cancellation at large logits). The same kernels whatever is
+    masked: nothing waits for the device to say."""
     batch, heads, queries, keys = x.shape
     masked = (x <= lowest).any(1)  # [B, Q, K]: a key some head leaves out (its NaN with it); NaN is read
     n = keys - masked.sum(-1)
-    # every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
-    x = scratch_like(x, torch.float32, slot=2).copy_(x).masked_fill_(masked[:, None], _LEFT_OUT)
+    # [B, Q, H, K], every masked key at one finite value: its probability is exactly 0, and 0 · it is 0
+    x = scratch((batch, queries, heads, keys), torch.float32, x.device, slot=2).copy_(x.transpose(1, 2))
+    x = x.masked_fill_(masked[:, :, None], _LEFT_OUT)
     peak = x.amax(-1, keepdim=True)
     d = x.sub_(peak)
     p = torch.ops.aten._softmax.out(d, -1, False, out=scratch_like(x, torch.float32))
     first = (~masked).to(torch.int8).argmax(-1)  # each query's first key it may attend (left padding: not 0)
-    sink = p.gather(-1, first[:, None, :, None].expand(-1, heads, -1, 1)).squeeze(-1)
+    sink = p.gather(-1, first[:, :, None, None].expand(-1, -1, heads, 1)).squeeze(-1)
     nats = -p.amax(-1).log() - p.mul_(d).sum(-1)  # Σ p·(x − peak) in place: p is not needed after
-    entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, None]
-    return peak.squeeze(-1).transpose(1, 2), entropy.transpose(1, 2), sink.transpose(1, 2), n
+    entropy = nats.clamp(min=0) / n.clamp(min=2).log()[:, :, None]
+    return peak.squeeze(-1), entropy, sink, n
 
 
 def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:

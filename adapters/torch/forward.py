@@ -167,7 +167,7 @@ class ProbeForward:
                 readings, host = transfer([out.reading for out, _ in self._outputs if out.name is not None], moving)
                 if moving:
                     also, moving = host[0], []
-                fold(merged, readings)
+                fold(merged, [r for r in readings if r is not None])  # None: a derived reading of no query
                 self._outputs = []
         readings = list(merged.values())
         if split:

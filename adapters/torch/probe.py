@@ -8,6 +8,8 @@ is seen; on the model's device, with the readings' transfer), and the device cop
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
@@ -27,6 +29,7 @@ class Probe:
         self.device = device
         self.value = value
         self._snapshot: list | None = None
+        self._sources: list = []
         self.check()
         if not self.tensors:
             raise ValueError("actrace: the probe holds no tensor; give the inputs the model takes "
@@ -43,20 +46,21 @@ class Probe:
 
     def check(self) -> torch.Tensor | None:
         """Take the fingerprint again (with the device copy) where the probe changed, as far as the
-        host can tell at once: another structure, a host tensor's values, or those of one a reading
-        copies to its device. A tensor on the device the probe runs on is read as it is, so its
-        values are compared there: the answer is a device flag, to `settle` once it reaches the host
-        with the readings (no host sync of its own)."""
+        host can tell at once: another structure or tensor, a host tensor's values, or those of one
+        a reading copies to its device. A tensor on the device the probe runs on is read as it is,
+        so its values are compared there: the answer is a device flag, to `settle` once it reaches
+        the host with the readings (no host sync of its own). NaN equals NaN here."""
         now = self.tensors
         if self._snapshot is None or len(now) != len(self._snapshot) or any(
-                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for (_, a), b in zip(now, self._snapshot)):
+                a is not source() or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                for (_, a), b, source in zip(now, self._snapshot, self._sources)):
             self._take(now)
             return None
         there = []
         for (_, a), b in zip(now, self._snapshot):
             if reductions.on_device(a) and a.device == self.device:
-                there.append(torch.ne(a, b).any())  # NaN is never equal, as for torch.equal
-            elif not torch.equal(a, b):
+                there.append(_differ(a, b).any())
+            elif not torch.equal(a, b) and bool(_differ(a, b).any()):
                 self._take(now)
                 return None
         return torch.stack(there).any() if there else None
@@ -69,6 +73,7 @@ class Probe:
 
     def _take(self, now: list[tuple[str, torch.Tensor]]) -> None:
         self._snapshot = [t.detach().clone() for _, t in now]
+        self._sources = [weakref.ref(t) for _, t in now]  # a tensor replaced by another is a new probe
         self.fingerprint = _fingerprint(now)
         self._moved = pytree.tree_map(self._to_device, self.value)
 
@@ -109,6 +114,13 @@ class Probe:
     def describe(self) -> str:
         return ", ".join(f"{name or 'probe'} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                          for name, t in self.tensors)
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where `a` and `b` differ, NaN equal to NaN (a probe holding NaN has not changed)."""
+    if not a.is_floating_point():
+        return torch.ne(a, b)
+    return torch.ne(a, b) & ~(torch.isnan(a) & torch.isnan(b))
 
 
 def _fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
