@@ -38,7 +38,7 @@ def per_unit(rows: pl.DataFrame, layer: str, column: str = "mean", step: int = 0
 
 def attention(logits: torch.Tensor, causal: bool = False) -> dict[str, torch.Tensor]:
     """The adapter's per-head numbers of the queries its readings keep (`rows`)."""
-    return {kind: t[rows] for kind, (t, rows) in derived.attention(logits, causal).items()}
+    return {kind: t if rows is None else t[rows] for kind, (t, rows) in derived.attention(logits, causal).items()}
 
 
 def test_the_per_head_numbers_of_known_scores():

@@ -201,7 +201,10 @@ def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
     """The kernel's statistics into the pending reading, with the saturation counts of a bounded
     kind, and relu(x)'s where the pass gave them and x holds no NaN or Inf."""
     relu = st.pop("relu")
-    pending.stats.update((k, v) for k, v in st.items() if v is not None)
+    stats = {k: v for k, v in st.items() if v is not None}
+    if pending.stats:  # what `_prepared` took already (`kept_rows`)
+        stats.update(pending.stats)
+    pending.stats = stats
     if pending.bounds is not None and pending.per_unit:
         pending.stats["sat_counts"] = sat_counts(view, pending.bounds)
     if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):

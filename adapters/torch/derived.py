@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,16 +38,22 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tu
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
     if x.device.type == "cpu" and kernel.available:
-        found = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
-        peak, entropy, sink, n = map(torch.as_tensor, found)
+        peak, entropy, sink, n = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
     else:
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
         peak, entropy, sink, n = _per_head(x, lowest)
-    some, heads = (n >= 1).reshape(-1), peak.shape[-1]
-    return {"attention_logit": (peak.reshape(-1, heads), some),
-            "attention_entropy": (entropy.reshape(-1, heads), (n >= 2).reshape(-1)),
-            "attention_sink": (sink.reshape(-1, heads), some)}
+    return {"attention_logit": _kept(peak, n >= 1), "attention_entropy": _kept(entropy, n >= 2),
+            "attention_sink": _kept(sink, n >= 1)}
+
+
+def _kept(per_query, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[B, Q, H]` numbers as `[B·Q, H]` with the `[B·Q]` queries to read; the kernel's (numpy, on
+    the host) with those queries taken at once (a view where all are, the usual case)."""
+    flat, rows = per_query.reshape(-1, per_query.shape[-1]), rows.reshape(-1)
+    if isinstance(flat, np.ndarray):
+        return torch.as_tensor(flat if rows.all() else flat[rows]), None
+    return flat, rows
 
 
 def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:

@@ -377,8 +377,6 @@ class ForwardTrace(TorchFunctionMode):
             self._name(base)
         for kind, t in (tensors or {}).items():
             t, rows = t if isinstance(t, tuple) else (t, None)  # rows: those of `t` the reading keeps
-            if rows is not None and rows.device.type == "cpu" and not rows.any():
-                continue  # none (on a device: the reading of none is dropped on the host)
             if t.numel() and self.wanted(names[kind], module):
                 self.axes.set(t, -1 if kind in PER_UNIT_KINDS else None)  # queries or tokens first: chunks merge
                 self._sink(names[kind], kind, None, t, module, rows=rows)
