@@ -753,8 +753,13 @@ def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pat
     scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(16, 4, device=device)
-    true = {}
-    with Monitor(model, x, tmp_path / "a.parquet", probe_every=100, scaler=scaler) as mon:
+    true, tanh_grad = {}, []  # the tanh output's gradient, unscaled, as a hook of the test's own sees it
+
+    def seen(module, inputs, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: tanh_grad.append(g.double().norm().item() / scaler.get_scale()))
+    model[1].register_forward_hook(seen)
+    with Monitor(model, x, tmp_path / "a.parquet", probe_every=100, scaler=scaler, activation_grads=True) as mon:
         for step in range(3):
             opt.zero_grad()
             loss = model(x * (float("inf") if step == 2 else 1)).pow(2).mean()  # step 2 overflows
@@ -769,6 +774,9 @@ def test_gradients_under_a_loss_scaler_are_unscaled_and_a_skipped_step_is_no_pat
          if r["stream"] == "param_grad"}
     assert np.sqrt(g[(0, "0", "weight")]["sumsq"]) == pytest.approx(true[0], rel=1e-6)
     assert np.sqrt(g[(1, "0", "weight")]["sumsq"]) == pytest.approx(true[1], rel=1e-6)
+    a = {r["step"]: r for r in actrace.read_table(tmp_path / "a.parquet").to_pylist()
+         if r["stream"] == "activation_grad" and r["layer"] == "1"}
+    assert [np.sqrt(a[s]["sumsq"]) for s in (0, 1)] == pytest.approx(tanh_grad[:2], rel=1e-5)  # read unscaled
     assert true[0] < 10 and {g[(s, "0", "weight")]["mode"] for s in (0, 1)} == {"train"}
     assert g[(2, "0", "weight")]["mode"] == "skipped"
     rules = {f.rule for f in findings(metrics(tmp_path / "a.parquet"))}

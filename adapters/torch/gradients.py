@@ -28,6 +28,7 @@ class Gradients:
         self.forward, self.scaler, self.due, self.flat = forward, scaler, due, flat
         self.params, self.aliases = _parameters(layers, flat)
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
+        self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
                          if p not in flat.of and p.requires_grad]  # FSDP1's: its unit's flat gradient arrives
         self._handles += [flat.register_hook(self._arrived) for flat in self.flat.flats() if flat.requires_grad]
@@ -60,7 +61,7 @@ class Gradients:
 
     def _start(self, module, inputs):
         if torch.is_grad_enabled() and self.due():
-            self._tracing = True
+            self._tracing, self._backward_scale = True, None
             self._trace.__enter__()
 
     def _stop(self, module, inputs, output):
@@ -84,7 +85,9 @@ class Gradients:
 
             def hook(grad):  # read at once: the backward may reuse the gradient's memory
                 if out.name:
-                    scale = self.scale()
+                    if self._backward_scale is None:  # one read of the scaler per backward (a host sync on a GPU)
+                        self._backward_scale = self.scale()
+                    scale = self._backward_scale
                     self._outputs.append(reduce_tensor(
                         grad if scale == 1.0 else grad / scale, axis, out.kind, layer=out.name,
                         stream="activation_grad", bounds=out.bounds, histogram=self.forward.histogram))
