@@ -5,7 +5,7 @@ kernels, and each launch costs the host some microseconds whatever the tensor's 
 count sets a reading's cost where the model's own kernels are small (an H200 measured it:
 `bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
 by `bucketize_histogram`, the statistics moved by one transfer (one per forward, of every reading
-at once: here of one); a CUDA tensor's copy for the side stream is counted as one more.
+at once: here of one); a per-unit reading's copy for the side stream is counted as one more.
 Run: .venv/bin/python bench/bench_device_ops.py
 """
 from __future__ import annotations
@@ -50,9 +50,9 @@ def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> collection
     return mode.ops
 
 
-def attention_launches() -> collections.Counter:
+def attention_launches() -> tuple[collections.Counter, int]:
     """The kernels of an SDPA's per-head readings (causal, 8 sequences, 4 heads of 64 queries):
-    its scores' numbers, then the reading of each."""
+    its scores' numbers, then the reading of each; and how many readings."""
     from actrace.adapters.torch import derived
 
     q = torch.randn(8, 4, 64, 32)
@@ -63,21 +63,20 @@ def attention_launches() -> collections.Counter:
             t, rows = t if isinstance(t, tuple) else (t, None)
             pending.append(reductions.reduce_tensor(t, 1, kind, layer=kind, **({} if rows is None else {"rows": rows})))
         reductions.to_readings(pending)
-    return mode.ops
+    return mode.ops, len(pending)
 
 
 def main() -> None:
     kernel.available = False  # the path every tensor the C kernel does not take goes
     reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
     print(f"{'reading':<28} {'launches':>8}   most frequent")
-    for name, (t, axis, kind, options) in CASES.items():
-        ops = launches(t, axis, kind, dict(options))
-        side = 1  # the side stream's copy, on a GPU
+    found = [(name, launches(t, axis, kind, dict(options)), int(options.get("per_unit", True)))
+             for name, (t, axis, kind, options) in CASES.items()]
+    ops, readings = attention_launches()
+    found.append((f"SDPA heads ({readings} readings)", ops, readings))
+    for name, ops, copies in found:  # a per-unit reading's copy for the side stream, on a GPU: one launch more
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"{name:<28} {sum(ops.values()) + side:>8}   {top}")
-    ops = attention_launches()
-    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-    print(f"{'SDPA heads (3 readings)':<28} {sum(ops.values()) + 3:>8}   {top}")
+        print(f"{name:<28} {sum(ops.values()) + copies:>8}   {top}")
 
 
 if __name__ == "__main__":

@@ -23,16 +23,16 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
              "is_causal")
 
 
-def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tuple] | None:
     """From pre-softmax scores `[B, H, Q, K]`, a masked key at −inf or at most half the dtype's
     lowest value (an additive mask), a key any head masks left out, and with `causal` the keys
     after the query's position (SDPA's mask): per query and head (last axis), its largest logit over
     the keys it may attend, its entropy over them divided by ln(keys), and its mass on the first key
-    it may attend, as `[B·Q, H]` with the `[B·Q]` queries that hold one (those that may attend a
-    key; two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`), so
-    nothing here waits for the device to say which they are. A NaN score stays: it is read as one.
-    On a CPU, by the fused kernel (one read of the scores, the causal mask applied as it reads);
-    elsewhere by torch."""
+    it may attend, as (`[B·Q, H]`, the `[B·Q]` queries that hold one: those that may attend a key;
+    two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`), so nothing
+    here waits for the device to say which they are; on the host, those queries alone and None.
+    A NaN score stays: it is read as one. On a CPU, by the fused kernel (one read of the scores,
+    the causal mask applied as it reads); elsewhere by torch."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
@@ -78,7 +78,7 @@ def _per_head(x: torch.Tensor, lowest: float) -> tuple[torch.Tensor, ...]:
     return peak.squeeze(-1), entropy, sink, n
 
 
-def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, torch.Tensor] | None:
+def sdpa_attention(args: tuple, kwargs: dict) -> dict[str, tuple] | None:
     """`attention` of the scores `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
     is_causal, scale, enable_gqa)` softmaxes; None unless q is `[B, H, Q, E]`."""
     q, k = arg(args, kwargs, 0, "query"), arg(args, kwargs, 1, "key")
