@@ -1,21 +1,25 @@
 """Kernels one reading launches on a GPU, counted on the CPU: the torch path that CUDA tensors
 take (the fused C kernel switched off), each aten op that is neither a view nor an allocation
-counted as one launch (a TorchDispatchMode). On a GPU a probe reading's reductions are many small
+counted as one launch (a TorchDispatchMode), by torch kernels (`torch ops`) and, where Triton is
+installed, with a per-unit reading's statistics by the fused Triton kernel (`fused`: one launch
+more, run here by Triton's interpreter). On a GPU a probe reading's reductions are many small
 kernels, and each launch costs the host some microseconds whatever the tensor's size, so the
 count sets a reading's cost where the model's own kernels are small (an H200 measured it:
 `bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
 by `bucketize_histogram`, the statistics moved by one transfer (one per forward, of every reading
-at once: here of one); a per-unit reading's copy for the side stream is counted as one more.
+at once: here of one).
 Run: .venv/bin/python bench/bench_device_ops.py
 """
 from __future__ import annotations
 
 import collections
+import os
 
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: its kernels on CPU tensors
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actrace.reduce import kernel
+from actrace.reduce import fused, kernel
 from actrace.reduce import torch as reductions
 
 aten = torch.ops.aten
@@ -35,6 +39,23 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted_kernel():
+    """The fused kernel, each launch counted as one (`triton`) and what the interpreter does inside not."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                _get_current_dispatch_mode().ops["triton"] += 1
+                with _disable_current_modes():
+                    KERNEL()[grid](*args, **kwargs)
+            return launch
+    return Launcher()
+
+
+KERNEL = fused._kernel
+
+
 CASES = {  # name: (tensor, unit axis, kind, options)
     "linear [256, 1024]": (torch.randn(256, 1024), 1, "linear", {}),
     "relu [256, 1024]": (torch.randn(256, 1024).relu(), 1, "relu", {}),
@@ -43,11 +64,11 @@ CASES = {  # name: (tensor, unit axis, kind, options)
 }
 
 
-def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> collections.Counter:
-    """The kernels of one reading of `t` on the torch path, as from a device."""
+def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> tuple[collections.Counter, int]:
+    """The kernels of one reading of `t` on the torch path, as from a device; one reading."""
     with Launches() as mode:
         reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", **options)])
-    return mode.ops
+    return mode.ops, 1
 
 
 def attention_launches() -> tuple[collections.Counter, int]:
@@ -69,14 +90,17 @@ def attention_launches() -> tuple[collections.Counter, int]:
 def main() -> None:
     kernel.available = False  # the path every tensor the C kernel does not take goes
     reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
-    print(f"{'reading':<28} {'launches':>8}   most frequent")
-    found = [(name, launches(t, axis, kind, dict(options)), int(options.get("per_unit", True)))
-             for name, (t, axis, kind, options) in CASES.items()]
-    ops, readings = attention_launches()
-    found.append((f"SDPA heads ({readings} readings)", ops, readings))
-    for name, ops, copies in found:  # a per-unit reading's copy for the side stream, on a GPU: one launch more
-        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
-        print(f"{name:<28} {sum(ops.values()) + copies:>8}   {top}")
+    print(f"{'reading':<28} {'torch ops':>9} {'fused':>5}   most frequent (fused)")
+    for name, case in [*CASES.items(), ("SDPA heads", None)]:
+        counts = []
+        for usable in (lambda x: False, lambda x: fused.triton is not None and x.dtype in (torch.float32, torch.float64)):
+            fused.usable, fused._kernel = usable, counted_kernel
+            ops, readings = launches(*case[:3], dict(case[3])) if case else attention_launches()
+            counts.append(ops)
+        if not case:
+            name = f"SDPA heads ({readings} readings)"
+        top = ", ".join(f"{op} {n}" for op, n in counts[1].most_common(5))
+        print(f"{name:<28} {sum(counts[0].values()):>9} {sum(counts[1].values()):>5}   {top}")
 
 
 if __name__ == "__main__":

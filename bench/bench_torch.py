@@ -14,8 +14,8 @@ side in one run:
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step;
-  - on CUDA also: the probe reading with its reductions on the model's own stream (`1 stream`, not
-    the side stream), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
+  - on CUDA also: the probe reading with its reductions on a side stream (`side stream`, not the
+    model's own), by torch kernels instead of the fused Triton kernel (`torch ops`), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
     debug mode; where they happen is printed below the row when there is more than one).
 The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
 the median over rounds of the two cases' times in the same round (`paired`). Models run in the
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from actrace.adapters.torch import Monitor, module_kind as layer_kind
-from actrace.reduce import torch as reductions
+from actrace.reduce import fused, torch as reductions
 from actrace.format.schema import DERIVED_KINDS
 
 NOT_DERIVED = [p for kind in DERIVED_KINDS for p in (kind, f"*.{kind}")]  # exclude= every derived reading
@@ -181,13 +181,15 @@ def host_syncs(read) -> list[str]:
 
 
 @contextmanager
-def one_stream():
-    """Reductions on the model's own stream, as before the side stream."""
-    reductions.SIDE_STREAM = False
+def setting(owner, name: str, value):
+    """`owner.name` set to `value` for the block: the reductions on a side stream (`SIDE_STREAM`),
+    or by torch kernels (the fused kernel's `usable` saying no)."""
+    was = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        reductions.SIDE_STREAM = True
+        setattr(owner, name, was)
 
 
 def main() -> None:
@@ -204,7 +206,7 @@ def main() -> None:
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
     cuda = dev.type == "cuda"
     header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'no derived':>10} {'per-stat':>9} " \
-             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7}" + (f" {'1 stream':>8} {'syncs':>5}" if cuda else "")
+             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7}" + (f" {'side stream':>11} {'torch ops':>9} {'syncs':>5}" if cuda else "")
     print(header)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -239,8 +241,8 @@ def main() -> None:
                     yield lambda: mon.probe_reading(next(steps))
 
             @contextmanager
-            def on_one_stream():
-                with one_stream(), monitored() as read:
+            def monitored_with(owner, name, value):
+                with setting(owner, name, value), monitored() as read:
                     yield read
 
             @contextmanager
@@ -259,7 +261,8 @@ def main() -> None:
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 "+grads": watched,
-                **({"1 stream": on_one_stream} if cuda else {}),
+                **({"side stream": lambda: monitored_with(reductions, "SIDE_STREAM", True),
+                    "torch ops": lambda: monitored_with(fused, "usable", lambda x: False)} if cuda else {}),
             }, args.repeat, sync, calls=None)
             if cuda:
                 with monitored() as read:
@@ -273,7 +276,8 @@ def main() -> None:
               f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
               f"{paired(t, '+grads', 'train'):>6.2f}x" +
-              (f" {paired(t, '1 stream', 'forward'):>7.2f}x {len(syncs):>5}" if cuda else ""))
+              (f" {paired(t, 'side stream', 'forward'):>10.2f}x {paired(t, 'torch ops', 'forward'):>8.2f}x {len(syncs):>5}"
+               if cuda else ""))
         if cuda and len(syncs) > 1:
             where = collections.Counter(syncs).most_common(6)
             print("    syncs at " + ", ".join(f"{place} ×{n}" for place, n in where))

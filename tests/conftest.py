@@ -2,6 +2,7 @@
 headless Chromium."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+import torch
+
+# Where no GPU is, Triton runs its kernels by its interpreter on CPU tensors, which must be asked for
+# before triton is imported: so the GPU's fused kernel (actrace.reduce.fused) is held to the reference
+# here too (test_contract). Where a GPU is, the kernel is compiled for it and read on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "spec"

@@ -3,7 +3,8 @@
 One set of cases (NaN, ±inf, a unit with no finite value, subnormals, squares past float32,
 zeros; every layout; every float dtype; whole and merged halves) runs against each backend
 present here: the numpy reference itself (by construction), the C kernel, torch ops with the
-kernel off, torch's fused CPU path (and the relu(x) it derives), torch on CUDA, ONNX Runtime.
+kernel off, torch's fused CPU path (and the relu(x) it derives), the GPU's Triton kernel (by
+Triton's interpreter where no GPU is), torch on CUDA, ONNX Runtime.
 Counts, extremes and histograms must agree exactly; sums to the float32 cascade the spec allows.
 """
 from __future__ import annotations
@@ -122,6 +123,16 @@ def torch_transfer(x, axis, kind, halves, monkeypatch, change=None):
     return torch_ops(x, axis, kind, halves, monkeypatch, change)
 
 
+def triton_kernel(x, axis, kind, halves, monkeypatch, change=None):
+    """The GPU's fused kernel (`actrace.reduce.fused`) on CPU tensors, run by Triton's interpreter."""
+    import torch
+
+    from actrace.reduce import fused
+
+    monkeypatch.setattr(fused, "usable", lambda t: t.dtype in (torch.float32, torch.float64))
+    return torch_transfer(x, axis, kind, halves, monkeypatch, change)
+
+
 def torch_fused(x, axis, kind, halves, change=None):
     return _torch_reading(x, axis, kind, halves, "cpu", change)
 
@@ -166,6 +177,13 @@ def _cuda() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device here"
 
 
+def _interpreted() -> str | None:
+    import os
+
+    return None if os.environ.get("TRITON_INTERPRET") == "1" else "a GPU is here: torch-cuda reads the kernel"
+
+
+TRITON_LAYOUTS = [k for k in LAYOUTS if not k.startswith("large")] + ["large-whole"]
 NARROW = ("float16", "bfloat16", "float32")  # the kernel reads float32, narrower floats widened
 # name: (backend, which (dtype, layout, kind) it reads, why it is absent here or None)
 BACKENDS = {
@@ -173,6 +191,10 @@ BACKENDS = {
     "c-kernel": (c_kernel, lambda d, lay, k: d in NARROW, None if kernel.available else "kernel not built"),
     "torch-ops": (torch_ops, lambda d, lay, k: True, _missing("torch")),
     "torch-transfer": (torch_transfer, lambda d, lay, k: True, _missing("torch")),
+    # float32/float64 (narrower floats reach it widened), layouts small enough for the interpreter, and
+    # one whose values are cut among programs
+    "triton": (triton_kernel, lambda d, lay, k: d in ("float32", "float64") and lay in TRITON_LAYOUTS,
+               _missing("torch", "triton") or _interpreted()),
     "torch-fused": (torch_fused, lambda d, lay, k: d in NARROW,
                     _missing("torch") or (None if kernel.available else "kernel not built")),
     "torch-cuda": (torch_cuda, lambda d, lay, k: True, _missing("torch") or _cuda()),
@@ -207,6 +229,7 @@ def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, ca
     x = values(case, shape, DTYPES[dtype])
     fn = BACKENDS[backend][0]
     extra = {"torch-ops": {"monkeypatch": monkeypatch}, "torch-transfer": {"monkeypatch": monkeypatch},
+             "triton": {"monkeypatch": monkeypatch},
              "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
     got = fn(x, axis, kind, halves, **extra)
     if backend == "onnxruntime":
@@ -238,8 +261,8 @@ def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, m
     original = x.copy()
     want = from_reference(original, axis, "linear")
     assert want.nan_count and want.inf_count
-    extra = {"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer") else {}
-    if backend.startswith("torch"):  # the tensors read (on the device, or sharing x's memory) cleaned afterwards
+    extra = {"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer", "triton") else {}
+    if backend.startswith("torch") or backend == "triton":  # the tensors read (on the device, or sharing x's memory) cleaned afterwards
         cleaned = []
         got = fn(x, axis, "linear", True, change=lambda t: cleaned.append(t.nan_to_num_(0.0).mul_(3.0)), **extra)
         assert cleaned and not any(t.isnan().any() for t in cleaned)

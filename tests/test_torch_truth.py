@@ -339,10 +339,14 @@ class Swap(nn.Module):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (the host syncs are CUDA's)")
-def test_a_probe_reading_on_a_gpu_waits_for_the_device_once(tmp_path):
-    """On CUDA the reductions (histograms, attention heads included) run on a side stream without
-    a host sync: a probe reading with a host probe waits for the device once, for its readings'
-    transfer; values still the truth."""
+@pytest.mark.parametrize("side", [False, True], ids=["model-stream", "side-stream"])
+def test_a_probe_reading_on_a_gpu_waits_for_the_device_once(tmp_path, side, monkeypatch):
+    """On CUDA the reductions (histograms, attention heads included) run without a host sync, on the
+    model's stream or a side stream: a probe reading with a host probe waits for the device once, for
+    its readings' transfer; values still the truth."""
+    from actrace.reduce import torch as reductions
+
+    monkeypatch.setattr(reductions, "SIDE_STREAM", side)
     torch.manual_seed(0)
     model = nn.Sequential(Block(attend=True), Swap(), Block(attend=True)).cuda()
     kill(model[0].fc.bias, 2)

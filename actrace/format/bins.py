@@ -92,6 +92,18 @@ _WITH_ZERO_KEYS[[0, _HALF]] = True  # zero shares its key with the tiniest subno
 _AMBIGUOUS_KEYS, _AMBIGUOUS_KEYS_WITH_ZERO = np.flatnonzero(_AMBIGUOUS), np.flatnonzero(_WITH_ZERO_KEYS)
 
 
+
+def signed_edges(dtype) -> np.ndarray:
+    """Sorted edges S such that #(S < v) is the bin of every non-NaN v of `dtype` (float32, float64):
+    −inf, each −E (v < −E ⇔ |v| > E), the largest negative value and 0 (either side of zero's bin),
+    below each E (v > below ⇔ v >= E), the largest finite value (+inf above). For float32, the
+    float32 edges f with |v| >= f ⇔ |v| >= E. A binary search over them bins values on a device."""
+    f = np.array(_first_f32, np.float32) if np.dtype(dtype) == np.float32 else MAGNITUDE_EDGES
+    info = np.finfo(f.dtype)
+    below = np.nextafter(f, f.dtype.type(-np.inf))
+    return np.concatenate([[-np.inf], -f[::-1], [-info.smallest_subnormal, 0.0], below, [info.max]]).astype(f.dtype)
+
+
 _local = threading.local()
 
 

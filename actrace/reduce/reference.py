@@ -26,14 +26,20 @@ def _f32_inward(v: float, up: bool) -> float:
 def sat_counts(x, bounds: tuple[float, float], lib=np):
     """Non-NaN values at or beyond each of `schema.sat_thresholds` (spec §Columns), thresholds in
     float64 and compared exactly whatever the dtype. `x` is a numpy array or (`lib=torch`) a tensor."""
-    thresholds = [float(v) for v in sat_thresholds(bounds)]
-    half = len(SAT_COUNTS) // 2
-    lows, highs = thresholds[:half], thresholds[half:]
-    if str(x.dtype).endswith("float32"):
-        lows, highs = [_f32_inward(v, False) for v in lows], [_f32_inward(v, True) for v in highs]
+    lows, highs = sat_levels(bounds, str(x.dtype).endswith("float32"))
     if lib is np:  # the few values near a bound first, then each level on those (on a device: no sync)
         x = x[(x <= lows[-1]) | (x >= highs[0])]
     return lib.stack([(x <= v).sum() for v in lows] + [(x >= v).sum() for v in highs])
+
+def sat_levels(bounds: tuple[float, float], float32: bool) -> tuple[list[float], list[float]]:
+    """`sat_counts`' thresholds below and above (x <= low, x >= high counted), as compared with the
+    values: float64, or the float32 that keeps the same values where `float32`."""
+    thresholds = [float(v) for v in sat_thresholds(bounds)]
+    half = len(SAT_COUNTS) // 2
+    lows, highs = thresholds[:half], thresholds[half:]
+    if float32:
+        return [_f32_inward(v, False) for v in lows], [_f32_inward(v, True) for v in highs]
+    return lows, highs
 
 def centre(bounds: tuple[float, float] | None) -> float:
     """The point `unit_min_dev` is measured from: the middle of the bounds, else 0."""

@@ -1,10 +1,10 @@
 """Reductions of torch tensors: the spec's per-unit statistics, taken the moment a tensor is made.
 
 `reduce_tensor` reads a CPU float32 tensor with the core's fused C kernel (all threads, on
-PyTorch's own OpenMP team) and any other tensor with torch kernels on its device, without a host
-sync: a CUDA tensor is copied where the model's stream is and reduced on a stream of its own
-(`SIDE_STREAM`), beside the model's next kernels. Either way every statistic is taken of the values
-as they are when the call returns, so a later in-place change of the tensor changes nothing.
+PyTorch's own OpenMP team), a GPU's per-unit reading with one Triton kernel (`fused`), and any
+other tensor with torch kernels on its device, without a host sync, on the model's own stream (or,
+with `SIDE_STREAM`, a copy on a stream of its own). Either way every statistic is taken of the
+values as they are when the call returns, so a later in-place change of the tensor changes nothing.
 `to_readings` moves a batch of them to the host in one transfer (the one host sync) as core
 `Reading`s (merged across chunks by the core's `merge`), and `all_reduce` merges data-parallel
 ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
@@ -22,13 +22,15 @@ import torch.distributed as dist
 from actrace.format import bins
 from actrace.format.schema import MERGE, bounds_for
 
-from . import kernel
+from . import fused, kernel
 from .dispatch import relu_stats
 from .reading import Reading, ReductionError
 from .reference import centre, check_reducible, sat_counts
 
 _F64 = torch.float64
-SIDE_STREAM = True  # a CUDA tensor's reductions on its device's side stream (`_aside`), not the model's
+# a CUDA tensor's reductions on a copy, on its device's side stream (`_aside`), not the model's: off, as
+# it measured slower on every model of bench/bench_torch.py --device cuda (H200: its `side stream` column)
+SIDE_STREAM = False
 _sides: dict = {}  # device -> its side stream
 
 
@@ -50,6 +52,7 @@ class Pending:
     stats: dict = field(default_factory=dict)
     relu: dict | None = None  # the statistics of relu(x), when the pass was asked for them
     rows: int | None = None  # the entries of the first axis before a device left out some (`rows`)
+    histogram: bool = False  # whether a fused kernel's buffer (stats["fused"]) holds the histogram
 
 
 _scratch = threading.local()  # per thread: reused buffers (scratch_like)
@@ -72,18 +75,6 @@ def scratch(shape, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     return buf[:n].view(shape)
 
 
-def _signed_edges(dtype: torch.dtype) -> torch.Tensor:
-    """Sorted edges S such that #(S < v) is the bin (spec §Histogram) of every non-NaN v of `dtype`
-    (float32, float64): −inf, each −E (v < −E ⇔ |v| > E), the largest negative value and 0 (either
-    side of zero's bin), below each E (v > below ⇔ v >= E), the largest finite value (+inf above).
-    For float32, the float32 edges f with |v| >= f ⇔ |v| >= E."""
-    f = np.array(bins._first_f32, np.float32) if dtype == torch.float32 else bins.MAGNITUDE_EDGES
-    info = np.finfo(f.dtype)
-    below = np.nextafter(f, f.dtype.type(-np.inf))
-    return torch.from_numpy(np.concatenate([[-np.inf], -f[::-1], [-info.smallest_subnormal, 0.0], below,
-                                            [info.max]]).astype(f.dtype))
-
-
 _ON_DEVICE: dict = {}  # (what, dtype, device) -> a tensor made once on that device
 
 
@@ -93,13 +84,13 @@ def _on(device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
     key = (what, dtype, device)
     t = _ON_DEVICE.get(key)
     if t is None:
-        t = _signed_edges(dtype) if what == "edges" else torch.tensor([0.0, math.inf, -math.inf, math.nan], dtype=dtype)
+        t = torch.from_numpy(bins.signed_edges(_WORDS[dtype])) if what == "edges" else torch.tensor([0.0, math.inf, -math.inf, math.nan], dtype=dtype)
         t = _ON_DEVICE[key] = t.to(device)
     return t
 
 
 def bucketize_histogram(x: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Tensor:
-    """The histogram on any device: each value's bin by one binary search over `_signed_edges`
+    """The histogram on any device: each value's bin by one binary search over `bins.signed_edges`
     (float64 values as they are, others as float32), NaN (`nan`, if known) left out; counted by
     `histc` over the bins' numbers, in float64 (exact, as given), which needs no host sync, or by `bincount`
     (which syncs for its size) where deterministic algorithms are asked for: CUDA's `histc` has none."""
@@ -225,8 +216,12 @@ def _beside(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pe
 
 
 def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
-    """The statistics by torch kernels on the tensor's device (`_masked`), without a host sync."""
+    """The statistics on the tensor's device, without a host sync: a per-unit reading of a GPU by one
+    fused kernel where Triton is installed (`fused`), others by torch kernels (`_masked`)."""
     per_unit, bounds, c = pending.per_unit, pending.bounds, centre(pending.bounds)
+    if per_unit and fused.usable(x):  # one buffer, named on the host (`_finish`)
+        pending.stats["fused"], pending.histogram = fused.stats(x, axis, bounds, histogram), histogram
+        return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
     pending.stats.update(_masked(x, axis, c, pending.kind == "relu", histogram, moments=per_unit))
@@ -458,6 +453,8 @@ def on_device(v) -> bool:
 def _finish(p: Pending, v: dict) -> Reading | None:
     """The reading from its statistics on the host; None where a device left out every row."""
     shape = p.shape
+    if "fused" in v:
+        v.update(fused.unpack(v.pop("fused"), p.histogram, p.bounds is not None))
     if p.rows is not None:  # entries a device left out, as NaN: out of the count and the shape
         kept = int(np.asarray(v.pop("kept_rows")).sum())
         if not kept:

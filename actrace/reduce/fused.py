@@ -1,0 +1,171 @@
+"""A probe reading's per-unit statistics in one GPU kernel (Triton): on a GPU the torch kernels of
+`actrace.reduce.torch._masked` cost a launch each (~30 a reading), which outweighs the bytes read
+when a model's own kernels are fast (bench/bench_torch.py --device cuda). One pass over the
+tensor gives what `_masked` gives, and the histogram and `sat_counts`, without a host sync.
+On CPU tensors Triton's interpreter runs it: so tests/test_contract.py holds it to the reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import numpy as np
+import torch
+
+from actrace.format import bins
+from actrace.format.schema import SAT_COUNTS
+
+from .reference import centre, sat_levels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch kernels then (`usable`)
+    triton = None
+
+_HIST = 256  # the histogram's lanes: a power of two above bins.N_BINS
+_TOTALS = _HIST + 1 + len(SAT_COUNTS)  # per reading: the histogram, the NaN count, the saturation counts
+_PER_UNIT = ("unit_sum", "unit_sumsq", "unit_sum3", "unit_sum4", "unit_min", "unit_max", "unit_min_dev")
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether `x` is read by the fused kernel: a CUDA float32/float64 tensor where Triton is installed."""
+    return triton is not None and x.is_cuda and x.dtype in (torch.float32, torch.float64)
+
+
+def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, span,
+                  BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr,
+                  NSAT: tl.constexpr, NLOW: tl.constexpr):
+    """One program: BLOCK_U units over `span` of the `rows` entries (before × after) each unit holds,
+    x a contiguous (before, units, after) tensor. Writes its partial per-unit numbers (sums in
+    float64, extremes of finite values, ±inf where none; counts through `counts_ptr`, the same memory
+    as int64) to out[split, 9, units]; adds its NaN count, histogram (if BINS) and saturation counts
+    (below and above `levels`, which ends with the centre of min |h - c|) to `totals`."""
+    u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    split = tl.program_id(1)
+    um = u < units
+    first = split.to(tl.int64) * span
+    s1 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
+    s2 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
+    s3 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
+    s4 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
+    count = tl.zeros([BLOCK_R, BLOCK_U], tl.int32)
+    zero = tl.zeros([BLOCK_R, BLOCK_U], tl.int32)
+    nan = tl.zeros([BLOCK_R, BLOCK_U], tl.int32)
+    lo = tl.full([BLOCK_R, BLOCK_U], float("inf"), x_ptr.dtype.element_ty)
+    hi = tl.full([BLOCK_R, BLOCK_U], float("-inf"), x_ptr.dtype.element_ty)
+    dev = tl.full([BLOCK_R, BLOCK_U], float("inf"), x_ptr.dtype.element_ty)
+    lanes = tl.arange(0, 8)
+    sat = tl.zeros([8], tl.int32)
+    hist = tl.zeros([HIST], tl.int32)
+    column = (u.to(tl.int64) * after)[None, :]
+    centre = tl.load(levels_ptr + NSAT)
+    for start in range(0, span, BLOCK_R):
+        r = first + (start + tl.arange(0, BLOCK_R)).to(tl.int64)
+        m = (r < rows)[:, None] & um[None, :]
+        v = tl.load(x_ptr + ((r // after) * units * after + r % after)[:, None] + column, mask=m, other=0.0)
+        finite = m & (tl.abs(v) < float("inf"))  # NaN and ±inf are not below +inf
+        isnan = m & (v != v)
+        w = tl.where(finite, v, 0.0).to(tl.float64)
+        w2 = w * w
+        s1 += w
+        s2 += w2
+        s3 += w2 * w
+        s4 += w2 * w2
+        count += finite.to(tl.int32)
+        zero += (m & (v == 0)).to(tl.int32)
+        nan += isnan.to(tl.int32)
+        lo = tl.minimum(lo, tl.where(finite, v, float("inf")))
+        hi = tl.maximum(hi, tl.where(finite, v, float("-inf")))
+        dev = tl.minimum(dev, tl.where(finite, tl.abs(v - centre), float("inf")))
+        if BINS:
+            at = tl.zeros([BLOCK_R, BLOCK_U], tl.int32)  # the bin: how many signed edges lie below v
+            for k in tl.static_range(8):  # over 255 edges (+inf beyond the real ones)
+                at = tl.where(tl.load(edges_ptr + at + ((128 >> k) - 1)) < v, at + (128 >> k), at)
+            hist += tl.histogram(tl.reshape(tl.where(m & ~isnan, at, HIST - 1), [BLOCK_R * BLOCK_U]), HIST)
+        for i in tl.static_range(NSAT):
+            if i < NLOW:
+                hit = m & (v <= tl.load(levels_ptr + i))
+            else:
+                hit = m & (v >= tl.load(levels_ptr + i))
+            sat += tl.where(lanes == i, tl.sum(tl.sum(hit.to(tl.int32), 1), 0), 0)
+    base = out_ptr + split.to(tl.int64) * 9 * units + u
+    tl.store(base, tl.sum(s1, 0), mask=um)
+    tl.store(base + units, tl.sum(s2, 0), mask=um)
+    tl.store(base + 2 * units, tl.sum(s3, 0), mask=um)
+    tl.store(base + 3 * units, tl.sum(s4, 0), mask=um)
+    tl.store(base + 4 * units, tl.min(lo, 0).to(tl.float64), mask=um)
+    tl.store(base + 5 * units, tl.max(hi, 0).to(tl.float64), mask=um)
+    tl.store(base + 6 * units, tl.min(dev, 0).to(tl.float64), mask=um)
+    counts = counts_ptr + split.to(tl.int64) * 9 * units + u  # the same memory, as int64
+    tl.store(counts + 7 * units, tl.sum(count.to(tl.int64), 0), mask=um)
+    tl.store(counts + 8 * units, tl.sum(zero.to(tl.int64), 0), mask=um)
+    tl.atomic_add(totals_ptr + HIST, tl.sum(tl.sum(nan.to(tl.int64), 1), 0))
+    tl.atomic_add(totals_ptr + HIST + 1 + lanes, sat.to(tl.int64), mask=lanes < NSAT)
+    if BINS:
+        tl.atomic_add(totals_ptr + tl.arange(0, HIST), hist.to(tl.int64), mask=tl.arange(0, HIST) < BINS)
+
+
+@functools.cache
+def _kernel():
+    """The kernel, compiled at its first launch for each block shape (Triton caches it on disk);
+    run by Triton's interpreter on CPU tensors where TRITON_INTERPRET was set before its import."""
+    return triton.jit(_stats_kernel)
+
+
+@functools.cache
+def _constants(device: torch.device, dtype: torch.dtype, bounds: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """On `device`, made once: the histogram's signed edges in `dtype` (+inf beyond them, 256 in all),
+    and the saturation levels of `bounds` then the centre of min |h - c|, as `dtype` compares them."""
+    f32 = dtype == torch.float32
+    edges = bins.signed_edges(np.float32 if f32 else np.float64)
+    padded = np.concatenate([edges, np.full(_HIST - len(edges), np.inf, edges.dtype)])
+    lows, highs = sat_levels(bounds, f32) if bounds is not None else ([], [])
+    levels = np.array([*lows, *highs, centre(bounds)], edges.dtype)
+    return torch.from_numpy(padded).to(device), torch.from_numpy(levels).to(device)
+
+
+def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> torch.Tensor:
+    """`_masked`'s statistics of `x` over every axis but `axis` (and its histogram where asked, the
+    `sat_counts` of bounded kinds) in one int64 buffer on its device, which `unpack` names on the host:
+    one memset, one launch of the kernel and, for a tensor cut among programs along its values, one
+    reduction of their parts."""
+    x = x.contiguous()
+    units, after = x.shape[axis], math.prod(x.shape[axis + 1:])
+    rows = x.numel() // units
+    block_u = 1 if after > 1 else min(32, triton.next_power_of_2(units))
+    block_r = 512 // block_u
+    split = triton.cdiv(rows, 64 * block_r)  # at most 64 tiles a program: each part costs reductions after
+    span = triton.cdiv(triton.cdiv(rows, split), block_r) * block_r
+    split = triton.cdiv(rows, span)
+    edges, levels = _constants(x.device, x.dtype, bounds)
+    words = torch.zeros(9 * units + _TOTALS, dtype=torch.int64, device=x.device)
+    out = words[: 9 * units] if split == 1 else torch.empty(split * 9 * units, dtype=torch.int64, device=x.device)
+    nsat = len(SAT_COUNTS) if bounds is not None else 0
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
+        _kernel()[(triton.cdiv(units, block_u), split)](
+            x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span, BLOCK_R=block_r,
+            BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat, NLOW=nsat // 2)
+    if split > 1:  # the programs' parts of each unit: sums add, extremes, counts add
+        parts, whole = out.view(split, 9, units), words[: 9 * units].view(9, units)
+        torch.sum(parts[:, :4].view(torch.float64), 0, out=whole[:4].view(torch.float64))
+        torch.amin(parts[:, 4].view(torch.float64), 0, out=whole[4].view(torch.float64))
+        torch.amax(parts[:, 5].view(torch.float64), 0, out=whole[5].view(torch.float64))
+        torch.amin(parts[:, 6].view(torch.float64), 0, out=whole[6].view(torch.float64))
+        torch.sum(parts[:, 7:], 0, out=whole[7:])
+    return words
+
+
+def unpack(words: np.ndarray, histogram: bool, bounded: bool) -> dict:
+    """The statistics of `stats`' buffer, on the host, named as the spec's columns."""
+    units = (len(words) - _TOTALS) // 9
+    per, totals = words[: 9 * units].reshape(9, units), words[9 * units:]
+    sums = per[:7].view(np.float64)
+    s = {name: sums[i] for i, name in enumerate(_PER_UNIT)}
+    s.update(unit_count=per[7], unit_zero=per[8], nan_count=totals[_HIST])
+    if histogram:
+        s["hist"] = totals[: bins.N_BINS]
+    if bounded:
+        s["sat_counts"] = totals[_HIST + 1:]
+    return s
