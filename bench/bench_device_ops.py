@@ -93,7 +93,7 @@ def main() -> None:
     print(f"{'reading':<28} {'torch ops':>9} {'fused':>5}   most frequent (fused)")
     for name, case in [*CASES.items(), ("SDPA heads", None)]:
         counts = []
-        for usable in (lambda x: False, lambda x: fused.triton is not None and x.dtype in (torch.float32, torch.float64)):
+        for usable in (lambda x: False, lambda x: fused.installed() and x.dtype in (torch.float32, torch.float64)):
             fused.usable, fused._kernel = usable, counted_kernel
             ops, readings = launches(*case[:3], dict(case[3])) if case else attention_launches()
             counts.append(ops)

@@ -10,6 +10,9 @@ Counts, extremes and histograms must agree exactly; sums to the float32 cascade 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -19,6 +22,7 @@ from actrace.reduce import kernel
 from actrace import ReductionError, merge, reduce_array
 from actrace.reduce import Reading, reference
 from actrace.format.schema import COLUMNS, MERGE, bounds_for
+from conftest import HUNG
 
 LAYOUTS = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
            "sequence": ((6, 7, 5), -1), "whole": ((6, 4), None),
@@ -178,8 +182,6 @@ def _cuda() -> str | None:
 
 
 def _interpreted() -> str | None:
-    import os
-
     return None if os.environ.get("TRITON_INTERPRET") == "1" else "a GPU is here: torch-cuda reads the kernel"
 
 
@@ -271,6 +273,38 @@ def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, m
         np.copyto(x, np.nan_to_num(x.astype(np.float64), nan=0.0).astype(x.dtype) * 3)
         assert not np.isnan(x.astype(np.float64)).any()  # the array read was cleaned afterwards
     assert_same(got, want, original, axis)
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from actrace.reduce import fused
+
+dtype, block_u, bins, nsat = sys.argv[1], *map(int, sys.argv[2:])
+signature = {"x_ptr": f"*{dtype}", "edges_ptr": f"*{dtype}", "levels_ptr": f"*{dtype}", "out_ptr": "*fp64",
+             "counts_ptr": "*i64", "totals_ptr": "*i64", **dict.fromkeys(["rows", "units", "after", "span"], "i32"),
+             **dict.fromkeys(["BLOCK_R", "BLOCK_U", "HIST", "BINS", "NSAT", "NLOW"], "constexpr")}
+constants = dict(BLOCK_R=512 // block_u, BLOCK_U=block_u, HIST=256, BINS=bins, NSAT=nsat, NLOW=nsat // 2)
+compiled = triton.compile(ASTSource(fn=fused._kernel(), signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32))
+print(len(compiled.asm["cubin"]), ".entry _stats_kernel" in compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(_missing("triton") is not None, reason="triton not installed")
+@pytest.mark.parametrize("dtype,block_u,bins,nsat", [("fp32", 32, 141, 6), ("fp64", 1, 0, 0)])
+def test_the_fused_kernel_compiles_for_a_gpu_where_none_is(dtype, block_u, bins, nsat, tmp_path):
+    """The interpreter that runs the `triton` backend here forgives what a GPU's compiler does not:
+    the kernel, as a unit-last (bounded, with histogram) and a unit-inside reading launch it, is
+    compiled to an sm_90 binary here too (in a process of its own: no interpreter there)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", COMPILE, dtype, str(block_u), str(bins), str(nsat)], env=env,
+                          capture_output=True, text=True, timeout=HUNG)
+    assert done.returncode == 0, done.stderr[-3000:]
+    size, entry = done.stdout.split()
+    assert int(size) > 0 and entry == "True"
 
 
 @pytest.mark.parametrize("layout", [k for k in LAYOUTS if k.startswith("large")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 
 import numpy as np
@@ -18,11 +19,7 @@ from actrace.format.schema import SAT_COUNTS
 
 from .reference import centre, sat_levels
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch kernels then (`usable`)
-    triton = None
+tl = None  # triton.language, imported with the kernel (`_kernel`): a run on CPU never pays its import
 
 _HIST = 256  # the histogram's lanes: a power of two above bins.N_BINS
 _TOTALS = _HIST + 1 + len(SAT_COUNTS)  # per reading: the histogram, the NaN count, the saturation counts
@@ -31,7 +28,13 @@ _PER_UNIT = ("unit_sum", "unit_sumsq", "unit_sum3", "unit_sum4", "unit_min", "un
 
 def usable(x: torch.Tensor) -> bool:
     """Whether `x` is read by the fused kernel: a CUDA float32/float64 tensor where Triton is installed."""
-    return triton is not None and x.is_cuda and x.dtype in (torch.float32, torch.float64)
+    return x.is_cuda and x.dtype in (torch.float32, torch.float64) and installed()
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether Triton can be imported (torch's CUDA wheels bring it), asked once."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, span,
@@ -111,7 +114,16 @@ def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr,
 def _kernel():
     """The kernel, compiled at its first launch for each block shape (Triton caches it on disk);
     run by Triton's interpreter on CPU tensors where TRITON_INTERPRET was set before its import."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language  # the kernel's global, read when Triton compiles (or interprets) it
     return triton.jit(_stats_kernel)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @functools.cache
@@ -134,17 +146,17 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     x = x.contiguous()
     units, after = x.shape[axis], math.prod(x.shape[axis + 1:])
     rows = x.numel() // units
-    block_u = 1 if after > 1 else min(32, triton.next_power_of_2(units))
+    block_u = 1 if after > 1 else min(32, 1 << (units - 1).bit_length())  # a power of two
     block_r = 512 // block_u
-    split = triton.cdiv(rows, 64 * block_r)  # at most 64 tiles a program: each part costs reductions after
-    span = triton.cdiv(triton.cdiv(rows, split), block_r) * block_r
-    split = triton.cdiv(rows, span)
+    split = _cdiv(rows, 64 * block_r)  # at most 64 tiles a program: each part costs reductions after
+    span = _cdiv(_cdiv(rows, split), block_r) * block_r
+    split = _cdiv(rows, span)
     edges, levels = _constants(x.device, x.dtype, bounds)
     words = torch.zeros(9 * units + _TOTALS, dtype=torch.int64, device=x.device)
     out = words[: 9 * units] if split == 1 else torch.empty(split * 9 * units, dtype=torch.int64, device=x.device)
     nsat = len(SAT_COUNTS) if bounds is not None else 0
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
-        _kernel()[(triton.cdiv(units, block_u), split)](
+        _kernel()[(_cdiv(units, block_u), split)](
             x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span, BLOCK_R=block_r,
             BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat, NLOW=nsat // 2)
     if split > 1:  # the programs' parts of each unit: sums add, extremes, counts add
