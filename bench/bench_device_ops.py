@@ -7,7 +7,8 @@ kernels, and each launch costs the host some microseconds whatever the tensor's 
 count sets a reading's cost where the model's own kernels are small (an H200 measured it:
 `bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
 by `bucketize_histogram`, the statistics moved by one transfer (one per forward, of every reading
-at once: here of one).
+at once: here of one). A per-step gradient reading (`layer_readings`) of a layer's weight and bias:
+by torch kernels, or one fused kernel for every gradient of a dtype.
 Run: .venv/bin/python bench/bench_device_ops.py
 """
 from __future__ import annotations
@@ -39,8 +40,9 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counted_kernel():
-    """The fused kernel, each launch counted as one (`triton`) and what the interpreter does inside not."""
+def counted(real):
+    """A fused kernel (`fused._kernel`, `fused._totals`) whose every launch counts as one (`triton`),
+    what the interpreter does inside it not."""
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
     class Launcher:
@@ -48,20 +50,20 @@ def counted_kernel():
             def launch(*args, **kwargs):
                 _get_current_dispatch_mode().ops["triton"] += 1
                 with _disable_current_modes():
-                    KERNEL()[grid](*args, **kwargs)
+                    real()[grid](*args, **kwargs)
             return launch
-    return Launcher()
+    return Launcher
 
 
-KERNEL = fused._kernel
+KERNELS = {name: getattr(fused, name) for name in ("_kernel", "_totals")}
 
 
 CASES = {  # name: (tensor, unit axis, kind, options)
     "linear [256, 1024]": (torch.randn(256, 1024), 1, "linear", {}),
     "relu [256, 1024]": (torch.randn(256, 1024).relu(), 1, "relu", {}),
     "tanh [256, 1024] (bounded)": (torch.randn(256, 1024).tanh(), 1, "tanh", {}),
-    "gradient [1024, 1024]": (torch.randn(1024, 1024), 0, "linear", {"per_unit": False, "histogram": False}),
 }
+GRADIENTS = [torch.randn(1024, 1024), torch.randn(1024)]  # a layer's weight and bias, read every step
 
 
 def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> tuple[collections.Counter, int]:
@@ -69,6 +71,14 @@ def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> tuple[coll
     with Launches() as mode:
         reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", **options)])
     return mode.ops, 1
+
+
+def gradient_launches() -> tuple[collections.Counter, int]:
+    """The kernels of a per-step gradient reading of a weight and a bias (`layer_readings`)."""
+    with Launches() as mode:
+        reductions.layer_readings(GRADIENTS, [dict(layer="fc", kind="linear", stream="param_grad", param=p)
+                                              for p in ("weight", "bias")])
+    return mode.ops, len(GRADIENTS)
 
 
 def attention_launches() -> tuple[collections.Counter, int]:
@@ -91,16 +101,20 @@ def main() -> None:
     kernel.available = False  # the path every tensor the C kernel does not take goes
     reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
     print(f"{'reading':<28} {'torch ops':>9} {'fused':>5}   most frequent (fused)")
-    for name, case in [*CASES.items(), ("SDPA heads", None)]:
-        counts = []
-        for usable in (lambda x: False, lambda x: fused.installed() and x.dtype in (torch.float32, torch.float64)):
-            fused.usable, fused._kernel = usable, counted_kernel
-            ops, readings = launches(*case[:3], dict(case[3])) if case else attention_launches()
-            counts.append(ops)
-        if not case:
-            name = f"SDPA heads ({readings} readings)"
-        top = ", ".join(f"{op} {n}" for op, n in counts[1].most_common(5))
-        print(f"{name:<28} {sum(counts[0].values()):>9} {sum(counts[1].values()):>5}   {top}")
+    for name, count in [*((name, lambda case=case: launches(*case[:3], dict(case[3]))) for name, case in CASES.items()),
+                        ("gradients", gradient_launches), ("SDPA heads", attention_launches)]:
+        found = []
+        for usable in (lambda x, narrow=False: False,
+                       lambda x, narrow=False: fused.installed() and x.dtype in (fused._NARROW if narrow else fused._WIDE)):
+            fused.usable = usable
+            for kernel_name, real in KERNELS.items():
+                setattr(fused, kernel_name, counted(real))
+            found.append(count())
+        (ops, readings), (fused_ops, _) = found
+        top = ", ".join(f"{op} {n}" for op, n in fused_ops.most_common(5))
+        label = name if readings == 1 else f"{name} ({readings} readings)"
+        print(f"{label:<28} {sum(ops.values()):>9} {sum(fused_ops.values()):>5}   {top}")
+    print("(fused gradients: also two copies, no kernel: their table to the device, the chunks' numbers back)")
 
 
 if __name__ == "__main__":

@@ -278,30 +278,38 @@ def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, m
 COMPILE = """
 import sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from actrace.reduce import fused
 
-dtype, block_u, bins, nsat = sys.argv[1], *map(int, sys.argv[2:])
-signature = {"x_ptr": f"*{dtype}", "edges_ptr": f"*{dtype}", "levels_ptr": f"*{dtype}", "out_ptr": "*fp64",
-             "counts_ptr": "*i64", "totals_ptr": "*i64", **dict.fromkeys(["rows", "units", "after", "span"], "i32"),
-             **dict.fromkeys(["BLOCK_R", "BLOCK_U", "HIST", "BINS", "NSAT", "NLOW"], "constexpr")}
-constants = dict(BLOCK_R=512 // block_u, BLOCK_U=block_u, HIST=256, BINS=bins, NSAT=nsat, NLOW=nsat // 2)
-compiled = triton.compile(ASTSource(fn=fused._kernel(), signature=signature, constexprs=constants),
+if sys.argv[1] == "totals":  # a per-step gradient reading's, of bfloat16 tensors
+    kernel, signature = fused._totals(), {"table_ptr": "*i64", "out_ptr": "*fp64"}
+    constants = dict(CHUNK=fused._CHUNK, BLOCK=1024, DTYPE=tl.bfloat16, WIDE=tl.float32)
+else:
+    dtype, block_u, bins, nsat = sys.argv[1], *map(int, sys.argv[2:])
+    kernel = fused._kernel()
+    signature = {"x_ptr": f"*{dtype}", "edges_ptr": f"*{dtype}", "levels_ptr": f"*{dtype}", "out_ptr": "*fp64",
+                 "counts_ptr": "*i64", "totals_ptr": "*i64", **dict.fromkeys(["rows", "units", "after", "span"], "i32")}
+    constants = dict(BLOCK_R=512 // block_u, BLOCK_U=block_u, HIST=256, BINS=bins, NSAT=nsat, NLOW=nsat // 2)
+signature |= dict.fromkeys(constants, "constexpr")
+compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32))
-print(len(compiled.asm["cubin"]), ".entry _stats_kernel" in compiled.asm["ptx"])
+print(len(compiled.asm["cubin"]), f".entry {kernel.__name__}" in compiled.asm["ptx"])
 """
 
 
 @pytest.mark.skipif(_missing("triton") is not None, reason="triton not installed")
-@pytest.mark.parametrize("dtype,block_u,bins,nsat", [("fp32", 32, 141, 6), ("fp64", 1, 0, 0)])
-def test_the_fused_kernel_compiles_for_a_gpu_where_none_is(dtype, block_u, bins, nsat, tmp_path):
+@pytest.mark.parametrize("launch", [("fp32", 32, 141, 6), ("fp64", 1, 0, 0), ("totals",)],
+                         ids=["unit-last", "unit-inside", "totals"])
+def test_the_fused_kernels_compile_for_a_gpu_where_none_is(launch, tmp_path):
     """The interpreter that runs the `triton` backend here forgives what a GPU's compiler does not:
-    the kernel, as a unit-last (bounded, with histogram) and a unit-inside reading launch it, is
-    compiled to an sm_90 binary here too (in a process of its own: no interpreter there)."""
+    the per-unit kernel, as a unit-last (bounded, with histogram) and a unit-inside reading launch
+    it, and the per-step gradients' kernel are compiled to sm_90 binaries here too (in a process of
+    their own: no interpreter there)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", COMPILE, dtype, str(block_u), str(bins), str(nsat)], env=env,
-                          capture_output=True, text=True, timeout=HUNG)
+    done = subprocess.run([sys.executable, "-c", COMPILE, *map(str, launch)], env=env, capture_output=True,
+                          text=True, timeout=HUNG)
     assert done.returncode == 0, done.stderr[-3000:]
     size, entry = done.stdout.split()
     assert int(size) > 0 and entry == "True"

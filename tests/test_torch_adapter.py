@@ -1,6 +1,7 @@
 """PyTorch adapter: ground truth by construction, agreement with numpy, hooks, DDP, `record`."""
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import warnings
@@ -451,28 +452,45 @@ def test_record_runs_a_script_hands_over_the_output_and_passes_the_exit_code(cli
     assert read_source(tmp_path / "runs" / "b.parquet")[1]["status"] == "closed at exit"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype):
-    """`layer_readings` (one kernel batch for CPU float32, torch kernels otherwise) against the numpy
-    reference, on hard values: NaN, ±inf, zeros, a tensor cut among threads, a 0-d one; scaled."""
-    from actrace.reduce.torch import layer_readings
-    from actrace.reduce import reference
+PATHS = ["native", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is here: the cuda case reads the fused kernel")),
+         pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))]
 
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, "mixed"])
+def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype, path, monkeypatch):
+    """`layer_readings` (one kernel batch for CPU float32, torch kernels otherwise; on a GPU, `cuda`,
+    or by Triton's interpreter, `triton`: the fused kernel, one launch per dtype) against the numpy reference, on
+    hard values: NaN, ±inf, zeros, a tensor cut among threads (and chunks), a 0-d one, one of NaN
+    only; scaled."""
+    from actrace.reduce import fused, reference
+    from actrace.reduce.torch import layer_readings
+
+    if path == "triton":
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: narrow and t.is_floating_point())
+        monkeypatch.setattr(kernel, "available", False)
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(shape, generator=g).to(dtype) for shape in ((7, 3), (300, 400), (5,), ())]
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16] if dtype == "mixed" else [dtype]
+    tensors = [torch.randn(shape, generator=g).to(dtypes[i % len(dtypes)])
+               for i, shape in enumerate(((7, 3), (300, 400), (5,), (), (3,)))]
     tensors[0][1, 1], tensors[0][2, 2], tensors[0][3] = float("nan"), float("-inf"), 0.0
+    tensors[-1][:] = float("nan")
+    device = [t.cuda() for t in tensors] if path == "cuda" else tensors
     metas = [dict(layer=f"l{i}", kind="linear", stream="param_grad", param="weight") for i in range(len(tensors))]
     for scale in (1.0, 256.0):
-        got = layer_readings(tensors, [dict(m) for m in metas], scale)
+        got = layer_readings(device, [dict(m) for m in metas], scale)
         for t, r in zip(tensors, got):
-            x = (t.float() if dtype == torch.bfloat16 else t).numpy().astype(np.float64).reshape(1, 1, -1) / scale
+            x = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy().astype(np.float64)
+            x = x.reshape(1, 1, -1) / scale
             ref = reference(x, 1, histogram=False)
             assert (r.shape, r.unit_axis, r.units, r.count) == (tuple(t.shape), 0 if t.ndim else None,
                                                                  t.shape[0] if t.ndim else 1, t.numel())
             assert (r.nan_count, r.inf_count, r.zero_count) == tuple(
                 int(np.sum(ref[k])) for k in ("nan_count", "inf_count", "unit_zero"))
             for name, col in (("sum", "unit_sum"), ("sumsq", "unit_sumsq"), ("min", "unit_min"), ("max", "unit_max")):
-                assert getattr(r, name) == pytest.approx(float(np.asarray(ref[col]).ravel()[0]), rel=1e-5, abs=1e-9)
+                assert getattr(r, name) == pytest.approx(float(np.asarray(ref[col]).ravel()[0]), rel=1e-5, abs=1e-9,
+                                                         nan_ok=True)
             assert r.unit_sum is None and r.hist is None
 
 

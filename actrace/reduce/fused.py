@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import itertools
 import math
 
 import numpy as np
@@ -26,9 +27,14 @@ _TOTALS = _HIST + 1 + len(SAT_COUNTS)  # per reading: the histogram, the NaN cou
 _PER_UNIT = ("unit_sum", "unit_sumsq", "unit_sum3", "unit_sum4", "unit_min", "unit_max", "unit_min_dev")
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether `x` is read by the fused kernel: a CUDA float32/float64 tensor where Triton is installed."""
-    return x.is_cuda and x.dtype in (torch.float32, torch.float64) and installed()
+def usable(x: torch.Tensor, narrow: bool = False) -> bool:
+    """Whether `x` is read by the fused kernels: a CUDA float32/float64 tensor (with `narrow`, as
+    `totals` reads them, also float16/bfloat16) where Triton is installed."""
+    return x.is_cuda and x.dtype in (_NARROW if narrow else _WIDE) and installed()
+
+
+_WIDE = (torch.float32, torch.float64)
+_NARROW = (*_WIDE, torch.float16, torch.bfloat16)
 
 
 @functools.cache
@@ -110,6 +116,45 @@ def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr,
         tl.atomic_add(totals_ptr + tl.arange(0, HIST), hist.to(tl.int64), mask=tl.arange(0, HIST) < BINS)
 
 
+def _totals_kernel(table_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """One program: values [start, end) of one tensor (row p of `table`: its address, start, end) of
+    type DTYPE, read as WIDE; their sum and sum of squares (float64), extremes of finite values
+    (±inf where none), finite, zero and NaN counts to out[p, 0:7], as float64."""
+    p = tl.program_id(0).to(tl.int64)
+    x_ptr = tl.load(table_ptr + 3 * p).to(tl.pointer_type(DTYPE), bitcast=True)
+    start = tl.load(table_ptr + 3 * p + 1)
+    end = tl.load(table_ptr + 3 * p + 2)
+    s1 = tl.zeros([BLOCK], tl.float64)
+    s2 = tl.zeros([BLOCK], tl.float64)
+    count = tl.zeros([BLOCK], tl.int32)
+    zero = tl.zeros([BLOCK], tl.int32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    lo = tl.full([BLOCK], float("inf"), WIDE)
+    hi = tl.full([BLOCK], float("-inf"), WIDE)
+    for i in range(0, CHUNK, BLOCK):
+        at = start + i + tl.arange(0, BLOCK)
+        m = at < end
+        v = tl.load(x_ptr + at, mask=m, other=0.0).to(WIDE)
+        finite = m & (tl.abs(v) < float("inf"))
+        w = tl.where(finite, v, 0.0).to(tl.float64)
+        s1 += w
+        s2 += w * w
+        count += finite.to(tl.int32)
+        zero += (m & (v == 0)).to(tl.int32)
+        nan += (m & (v != v)).to(tl.int32)
+        lo = tl.minimum(lo, tl.where(finite, v, float("inf")))
+        hi = tl.maximum(hi, tl.where(finite, v, float("-inf")))
+    row = out_ptr + 7 * p
+    tl.store(row, tl.sum(s1, 0))
+    tl.store(row + 1, tl.sum(s2, 0))
+    tl.store(row + 2, tl.min(lo, 0).to(tl.float64))
+    tl.store(row + 3, tl.max(hi, 0).to(tl.float64))
+    tl.store(row + 4, tl.sum(count.to(tl.int64), 0).to(tl.float64))
+    tl.store(row + 5, tl.sum(zero.to(tl.int64), 0).to(tl.float64))
+    tl.store(row + 6, tl.sum(nan.to(tl.int64), 0).to(tl.float64))
+
+
 @functools.cache
 def _kernel():
     """The kernel, compiled at its first launch for each block shape (Triton caches it on disk);
@@ -118,8 +163,17 @@ def _kernel():
     import triton
     import triton.language
 
-    tl = triton.language  # the kernel's global, read when Triton compiles (or interprets) it
+    tl = triton.language  # the kernels' global, read when Triton compiles (or interprets) them
     return triton.jit(_stats_kernel)
+
+
+@functools.cache
+def _totals():
+    """`_totals_kernel`, as `_kernel` makes its own."""
+    import triton
+
+    _kernel()
+    return triton.jit(_totals_kernel)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -181,3 +235,46 @@ def unpack(words: np.ndarray, histogram: bool, bounded: bool) -> dict:
     if bounded:
         s["sat_counts"] = totals[_HIST + 1:]
     return s
+
+
+_CHUNK = 1 << 16  # the values of one tensor a `_totals_kernel` program reads at most
+
+
+def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    """`kernel.reduce_totals`' statistics (`kernel.TOTALS`) of many floating tensors on one GPU, as a
+    per-step gradient reading takes them: one launch per dtype over every tensor of it (a table of
+    their addresses, cut in chunks: one program each) and one transfer, the chunks added on the host."""
+    pieces = [_cdiv(t.numel(), _CHUNK) for t in tensors]
+    order = sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype))  # a launch per dtype
+    first, rows, n = {}, [], 0
+    for i in order:
+        first[i], t = n, tensors[i]
+        n += pieces[i]
+        for k in range(pieces[i]):
+            rows.append((t.data_ptr(), k * _CHUNK, min((k + 1) * _CHUNK, t.numel())))
+    device = tensors[0].device
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory() if device.type == "cuda" else torch.tensor(rows)
+    table = table.to(device, non_blocking=True)
+    out = torch.empty((n, 7), dtype=torch.float64, device=device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for dtype, group in itertools.groupby(order, key=lambda i: tensors[i].dtype):
+            group = list(group)
+            at, count = first[group[0]], sum(pieces[i] for i in group)
+            wide = "float64" if dtype == torch.float64 else "float32"
+            _totals()[(count,)](table[at: at + count], out[at: at + count], CHUNK=_CHUNK, BLOCK=1024,
+                                DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), WIDE=getattr(tl, wide))
+    parts = out.cpu().numpy()
+    starts = np.array([first[i] for i in range(len(tensors))])
+    ranked = np.argsort(starts, kind="stable")
+    add = np.add.reduceat(parts, starts[ranked], axis=0)
+    lo = np.minimum.reduceat(parts[:, 2], starts[ranked])
+    hi = np.maximum.reduceat(parts[:, 3], starts[ranked])
+    back = np.empty_like(ranked)
+    back[ranked] = np.arange(len(ranked))
+    add, lo, hi = add[back], lo[back], hi[back]
+    none = np.isinf(lo)  # a tensor with no finite value: NaN extremes
+    lo, hi = np.where(none, np.nan, lo), np.where(none, np.nan, hi)
+    sizes = np.array([t.numel() for t in tensors], np.int64)
+    count, zeros, nans = (add[:, k].astype(np.int64) for k in (4, 5, 6))
+    return dict(unit_sum=add[:, 0], unit_sumsq=add[:, 1], unit_min=lo, unit_max=hi, unit_zero=zeros,
+                unit_count=count, nan_count=nans, inf_count=sizes - count - nans)

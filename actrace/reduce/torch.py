@@ -273,7 +273,8 @@ def _masked(x: torch.Tensor, axis: int, c: float, relu: bool, histogram: bool, m
 def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float = 1.0) -> list[Reading]:
     """Layer-level readings (norm, extremes, zeros, NaN/Inf; unit axis 0) of many tensors, as a
     per-step gradient reading takes them (`metas`: each one's layer, kind, stream, param): the CPU
-    float32 ones in one kernel batch, the others by torch kernels and one host transfer. The
+    float32 ones in one kernel batch, a GPU's by one fused kernel a dtype (`fused.totals`), the
+    others by torch kernels and one host transfer. The
     values carry a factor `scale` (a loss scaler's), divided out. A sharded tensor (a DTensor:
     FSDP2, tensor parallel; a `Piece`: FSDP1) is read from its local shard, its sums and extremes then reduced
     across its mesh (never gathered): the whole tensor's reading, on every rank."""
@@ -296,16 +297,21 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
                         zero_count=0, sum=0.0, sumsq=0.0, min=math.nan, max=math.nan,
                         dtype=str(tensors[i].dtype).removeprefix("torch."), **metas[i])
                 if i in empty else next(got) for i in range(len(tensors))]
-    fused = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype == torch.float32] \
-        if kernel.available else []
     out: list = [None] * len(tensors)
-    if fused:
-        data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in fused)]
-        totals = kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])
-        shaped = [dict(metas[i], shape=tuple(tensors[i].shape), unit_axis=0 if tensors[i].ndim else None,
-                       dtype="float32") for i in fused]
-        for i, r in zip(fused, Reading.from_totals(totals, shaped, scale)):
-            out[i] = r
+    on_cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype == torch.float32] \
+        if kernel.available else []
+    devices: dict = {}  # a GPU's tensors, each device's read by the fused kernels at once
+    for i, t in enumerate(tensors):
+        if fused.usable(t, narrow=True) and i not in on_cpu:
+            devices.setdefault(t.device, []).append(i)
+    for group, reduce in [(on_cpu, lambda data: kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])),
+                          *((items, fused.totals) for items in devices.values())]:
+        if group:
+            data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in group)]
+            shaped = [dict(metas[i], shape=tuple(tensors[i].shape), unit_axis=0 if tensors[i].ndim else None,
+                           dtype=str(tensors[i].dtype).removeprefix("torch.")) for i in group]
+            for i, r in zip(group, Reading.from_totals(reduce(data), shaped, scale)):
+                out[i] = r
     rest = [i for i in range(len(tensors)) if out[i] is None]
     pending = [reduce_tensor(tensors[i] / scale if scale != 1.0 else tensors[i], 0 if tensors[i].ndim else None,
                              per_unit=False, histogram=False, **metas[i]) for i in rest]
