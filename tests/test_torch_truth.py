@@ -826,3 +826,40 @@ def test_a_layer_output_cleaned_in_place_afterwards_is_read_as_it_was_made(tmp_p
     assert (got["0.fc"]["nan_count"], got["0.fc"]["unit_count"]) == (8, [8, 8, 0, 8, 8, 8])
     assert got["0.fc"]["dtype"] == str(dtype).removeprefix("torch.")
     assert got["0.relu"]["nan_count"] == 0 and got["0.relu"]["unit_zero"][2] == 8
+
+
+def test_fused_gpu_kernels_that_fail_are_said_once_and_torch_kernels_read_instead(tmp_path, monkeypatch):
+    """Triton installed but failing where the model runs (no compiler, a GPU it cannot target): the
+    failure is said once, and every reading, probe and per-step gradients, comes from torch kernels
+    with the values known by construction (two of eight units killed), the run going on."""
+    from actrace.reduce import fused, kernel
+
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(kernel, "available", False)  # CPU tensors take the path a GPU's would
+    monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.is_floating_point() and fused._failure is None)
+    monkeypatch.setattr(fused, "_failure", None)
+    monkeypatch.setattr(fused, "_kernel", broken)
+    monkeypatch.setattr(fused, "_totals", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    kill(model[0].bias, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    norms = []  # each step's gradients' sums of squares, as the model holds them
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitor(model, torch.randn(16, 5), tmp_path / "f.parquet", probe_every=1) as mon:
+            for step in range(3):
+                model(torch.randn(16, 5)).square().mean().backward()
+                mon.step(step)
+                norms.append({n.rsplit(".", 1)[1] + n[0]: float(p.grad.double().square().sum())
+                              for n, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+    said = [str(w.message) for w in caught if "fused GPU kernels failed" in str(w.message)]
+    assert len(said) == 1 and "no compiler here" in said[0]
+    assert dead(tmp_path / "f.parquet", "1") == [2 / 8] * 3
+    table = actrace.read_table(tmp_path / "f.parquet").to_pylist()
+    grads = {(r["step"], r["param"] + r["layer"]): r["sumsq"] for r in table if r["stream"] == "param_grad"}
+    assert grads == {(step, name): pytest.approx(v, rel=1e-6) for step, seen in enumerate(norms) for name, v in seen.items()}

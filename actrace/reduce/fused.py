@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import itertools
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -30,7 +31,28 @@ _PER_UNIT = ("unit_sum", "unit_sumsq", "unit_sum3", "unit_sum4", "unit_min", "un
 def usable(x: torch.Tensor, narrow: bool = False) -> bool:
     """Whether `x` is read by the fused kernels: a CUDA float32/float64 tensor (with `narrow`, as
     `totals` reads them, also float16/bfloat16) where Triton is installed."""
-    return x.is_cuda and x.dtype in (_NARROW if narrow else _WIDE) and installed()
+    return x.is_cuda and x.dtype in (_NARROW if narrow else _WIDE) and installed() and _failure is None
+
+
+_failure: Exception | None = None  # why the fused kernels are off (`_fallible`)
+
+
+def _fallible(fn):
+    """`fn`, whose failure (Triton installed but failing here: no compiler, a GPU it cannot target)
+    is said once and turns the fused kernels off: it gives None and the caller reads with torch
+    kernels, then and from then on. A monitor never takes training down."""
+    @functools.wraps(fn)
+    def call(*args):
+        global _failure
+        try:
+            return fn(*args)
+        except Exception as error:
+            if _failure is None:
+                warnings.warn(f"actrace: the fused GPU kernels failed ({type(error).__name__}: {error}); reading "
+                              "with torch kernels instead", stacklevel=3)
+            _failure = error
+            return None
+    return call
 
 
 _WIDE = (torch.float32, torch.float64)
@@ -192,7 +214,8 @@ def _constants(device: torch.device, dtype: torch.dtype, bounds: tuple | None) -
     return torch.from_numpy(padded).to(device), torch.from_numpy(levels).to(device)
 
 
-def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> torch.Tensor:
+@_fallible
+def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> torch.Tensor | None:
     """`_masked`'s statistics of `x` over every axis but `axis` (and its histogram where asked, the
     `sat_counts` of bounded kinds) in one int64 buffer on its device, which `unpack` names on the host:
     one memset, one launch of the kernel and, for a tensor cut among programs along its values, one
@@ -240,7 +263,8 @@ def unpack(words: np.ndarray, histogram: bool, bounded: bool) -> dict:
 _CHUNK = 1 << 16  # the values of one tensor a `_totals_kernel` program reads at most
 
 
-def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
+@_fallible
+def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
     """`kernel.reduce_totals`' statistics (`kernel.TOTALS`) of many floating tensors on one GPU, as a
     per-step gradient reading takes them: one launch per dtype over every tensor of it (a table of
     their addresses, cut in chunks: one program each) and one transfer, the chunks added on the host."""

@@ -219,8 +219,8 @@ def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) 
     """The statistics on the tensor's device, without a host sync: a per-unit reading of a GPU by one
     fused kernel where Triton is installed (`fused`), others by torch kernels (`_masked`)."""
     per_unit, bounds, c = pending.per_unit, pending.bounds, centre(pending.bounds)
-    if per_unit and fused.usable(x):  # one buffer, named on the host (`_finish`)
-        pending.stats["fused"], pending.histogram = fused.stats(x, axis, bounds, histogram), histogram
+    if per_unit and fused.usable(x) and (words := fused.stats(x, axis, bounds, histogram)) is not None:
+        pending.stats["fused"], pending.histogram = words, histogram  # one buffer, named on the host (`_finish`)
         return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
@@ -306,11 +306,11 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
             devices.setdefault(t.device, []).append(i)
     for group, reduce in [(on_cpu, lambda data: kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])),
                           *((items, fused.totals) for items in devices.values())]:
-        if group:
-            data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in group)]
+        data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in group)]
+        if group and (totals := reduce(data)) is not None:  # None: the fused kernels failed (torch kernels below)
             shaped = [dict(metas[i], shape=tuple(tensors[i].shape), unit_axis=0 if tensors[i].ndim else None,
                            dtype=str(tensors[i].dtype).removeprefix("torch.")) for i in group]
-            for i, r in zip(group, Reading.from_totals(reduce(data), shaped, scale)):
+            for i, r in zip(group, Reading.from_totals(totals, shaped, scale)):
                 out[i] = r
     rest = [i for i in range(len(tensors)) if out[i] is None]
     pending = [reduce_tensor(tensors[i] / scale if scale != 1.0 else tensors[i], 0 if tensors[i].ndim else None,
