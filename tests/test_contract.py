@@ -294,7 +294,7 @@ else:
     constants = dict(BLOCK_R=512 // block_u, BLOCK_U=block_u, HIST=256, BINS=bins, NSAT=nsat, NLOW=nsat // 2)
 signature |= dict.fromkeys(constants, "constexpr")
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32))
+                          target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
 print(len(compiled.asm["cubin"]), f".entry {kernel.__name__}" in compiled.asm["ptx"])
 """
 
@@ -313,6 +313,30 @@ def test_the_fused_kernels_compile_for_a_gpu_where_none_is(launch, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     size, entry = done.stdout.split()
     assert int(size) > 0 and entry == "True"
+
+
+@pytest.mark.parametrize("shape,axis", [((2**31 + 2**20, 1), 1), ((70_000_000, 64), 1), ((4, 1, 2**30), 1)])
+def test_the_fused_kernel_s_grid_stays_within_cuda_s_limits_and_covers_every_value(shape, axis, monkeypatch):
+    """A tensor of 2³¹ values or more on few units is cut among at most 65,535 programs per unit block
+    (CUDA's limit of a grid's second axis), which between them still read every value (meta tensors:
+    no memory; the launch recorded, not run)."""
+    import torch
+
+    from actrace.reduce import fused
+
+    launched = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, args, kw))
+
+    monkeypatch.setattr(fused, "_kernel", Launcher)
+    x = torch.empty(shape, device="meta")
+    assert fused.stats(x, axis, None, True) is not None
+    (columns, split), args, kw = launched[0]
+    rows, units, span = x.numel() // shape[axis], shape[axis], args[9]
+    assert split <= 65535 and columns * kw["BLOCK_U"] >= units
+    assert split * span >= rows > (split - 1) * span and span % kw["BLOCK_R"] == 0
 
 
 @pytest.mark.parametrize("layout", [k for k in LAYOUTS if k.startswith("large")])

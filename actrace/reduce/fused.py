@@ -186,7 +186,7 @@ def _kernel():
     import triton.language
 
     tl = triton.language  # the kernels' global, read when Triton compiles (or interprets) them
-    return triton.jit(_stats_kernel)
+    return triton.jit(_stats_kernel, do_not_specialize=["rows", "span"])  # a program each, not per batch size
 
 
 @functools.cache
@@ -225,7 +225,8 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     rows = x.numel() // units
     block_u = 1 if after > 1 else min(32, 1 << (units - 1).bit_length())  # a power of two
     block_r = 512 // block_u
-    split = _cdiv(rows, 64 * block_r)  # at most 64 tiles a program: each part costs reductions after
+    split = min(_cdiv(rows, 64 * block_r), 65535)  # 64 tiles a program (each part costs reductions after), and
+    # at most CUDA's limit of a grid's second axis
     span = _cdiv(_cdiv(rows, split), block_r) * block_r
     split = _cdiv(rows, span)
     edges, levels = _constants(x.device, x.dtype, bounds)
@@ -235,7 +236,8 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
         _kernel()[(_cdiv(units, block_u), split)](
             x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span, BLOCK_R=block_r,
-            BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat, NLOW=nsat // 2)
+            BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat, NLOW=nsat // 2,
+            enable_fp_fusion=False)
     if split > 1:  # the programs' parts of each unit: sums add, extremes, counts add
         parts, whole = out.view(split, 9, units), words[: 9 * units].view(9, units)
         torch.sum(parts[:, :4].view(torch.float64), 0, out=whole[:4].view(torch.float64))
@@ -286,7 +288,8 @@ def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
             at, count = first[group[0]], sum(pieces[i] for i in group)
             wide = "float64" if dtype == torch.float64 else "float32"
             _totals()[(count,)](table[at: at + count], out[at: at + count], CHUNK=_CHUNK, BLOCK=1024,
-                                DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), WIDE=getattr(tl, wide))
+                                DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), WIDE=getattr(tl, wide),
+                                enable_fp_fusion=False)
     parts = out.cpu().numpy()
     starts = np.array([first[i] for i in range(len(tensors))])
     ranked = np.argsort(starts, kind="stable")
