@@ -1,8 +1,10 @@
-"""A probe reading's per-unit statistics in one GPU kernel (Triton): on a GPU the torch kernels of
-`actrace.reduce.torch._masked` cost a launch each (~30 a reading), which outweighs the bytes read
-when a model's own kernels are fast (bench/bench_torch.py --device cuda). One pass over the
-tensor gives what `_masked` gives, and the histogram and `sat_counts`, without a host sync.
-On CPU tensors Triton's interpreter runs it: so tests/test_contract.py holds it to the reference.
+"""A GPU's reductions as Triton kernels: a probe reading's per-unit statistics in one pass over the
+tensor (`stats`: what `actrace.reduce.torch._masked` gives, the histogram and `sat_counts`), and a
+per-step gradient reading's layer totals of every gradient at once (`totals`), without a host sync.
+Torch kernels cost a launch each (~30 a per-unit reading, ~15 a gradient: bench/bench_device_ops.py),
+which outweighs the bytes read when a model's own kernels are fast (bench/bench_torch.py --device
+cuda). Where Triton is absent, or fails (said once), torch kernels read. On CPU tensors Triton's
+interpreter runs the kernels: so tests/test_contract.py and test_torch_adapter.py hold them to the reference.
 """
 from __future__ import annotations
 
