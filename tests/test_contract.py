@@ -239,6 +239,28 @@ def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, ca
     assert_same(got, from_reference(x, axis, kind), x, axis)
 
 
+def one_sided():
+    """Every backend present that takes a float32 tensor in (ONNX Runtime makes its own)."""
+    for backend, (_, reads, absent) in BACKENDS.items():
+        if backend != "onnxruntime" and not absent and reads("float32", "dense", "sigmoid"):
+            yield backend
+
+
+@pytest.mark.parametrize("backend", list(one_sided()))
+def test_a_unit_on_one_side_of_the_centre_stores_its_least_distance_rounded_down(backend, monkeypatch):
+    """`unit_min_dev` of a sigmoid (centre 0.5) is the least |h - 0.5|, as float32 rounded down, never
+    above it (spec §Numerics): units of tiny values (0.5 - 3e-9 is no float32), of values above the
+    centre, and on both sides of it."""
+    x = np.array([[1e-9, 0.7, 0.45], [2e-9, 0.8, 0.9], [3e-9, 0.9, 0.6]] * 2, np.float32)
+    truth = np.abs(x.astype(np.float64) - 0.5).min(axis=0)
+    fn = BACKENDS[backend][0]
+    got = fn(x, 1, "sigmoid", False, **({"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer",
+                                                                                   "triton") else {}))
+    assert got.unit_min_dev.dtype == np.float32
+    np.testing.assert_array_equal(got.unit_min_dev, [np.nextafter(np.float32(t), np.float32(-1)) if np.float32(t) > t
+                                                     else np.float32(t) for t in truth])
+
+
 def mutated():
     """(backend, dtype) of every backend that takes a tensor of that dtype in (ONNX Runtime makes its
     own); one skip for a backend absent here."""

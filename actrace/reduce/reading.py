@@ -94,6 +94,9 @@ class Reading:
                 hist=v["hist"].astype(np.int64, copy=False) if "hist" in v else None,
                 sat_counts=v["sat_counts"].astype(np.int64, copy=False) if "sat_counts" in v else None, **meta)
         if per_unit:  # the backend's arrays kept where they have the column's type already (no copy)
+            bounds = meta.get("bounds")
+            if bounds is not None and (c := (bounds[0] + bounds[1]) / 2.0):  # `reference.centre`, not 0
+                v["unit_min_dev"] = _one_sided(v, c)
             for name, dtype in _UNIT_DTYPES.items():
                 value = v[name].reshape(-1)
                 setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype, copy=False))
@@ -115,6 +118,15 @@ class Reading:
                            count=math.prod(shape), nan_count=nans, inf_count=infs, zero_count=zeros,
                            sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta))
         return out
+
+
+def _one_sided(v: dict, c: float) -> np.ndarray:
+    """`unit_min_dev` with each unit that lies on one side of the centre `c` at its exact distance,
+    `unit_min - c` or `c - unit_max` in float64, as the reference gives it: a backend's |h - c| in
+    float32 may round above the true least distance, which a stored minimum must never be (spec §Numerics)."""
+    lo, hi = (v[k].reshape(-1).astype(np.float64) for k in ("unit_min", "unit_max"))
+    with np.errstate(invalid="ignore"):
+        return np.where(lo >= c, lo - c, np.where(hi <= c, c - hi, v["unit_min_dev"].reshape(-1)))
 
 
 def outward(v: np.ndarray, toward: float) -> np.ndarray:
