@@ -206,6 +206,14 @@ BACKENDS = {
 }
 
 
+def fixtures(backend: str, monkeypatch, tmp_path=None) -> dict:
+    """The pytest fixtures a backend's function takes besides the values: those that switch the
+    kernel (or the device) off for the call take `monkeypatch`, ONNX Runtime a folder for its model."""
+    if backend in ("torch-ops", "torch-transfer", "triton"):
+        return {"monkeypatch": monkeypatch}
+    return {"tmp_path": tmp_path} if backend == "onnxruntime" else {}
+
+
 def combinations():
     """Every (backend, layout, dtype, case, kind, halves) a backend reads; one skip for a backend
     absent here, saying why."""
@@ -230,10 +238,7 @@ def test_every_backend_gives_the_reference_statistics(backend, layout, dtype, ca
     shape, axis = LAYOUTS[layout]
     x = values(case, shape, DTYPES[dtype])
     fn = BACKENDS[backend][0]
-    extra = {"torch-ops": {"monkeypatch": monkeypatch}, "torch-transfer": {"monkeypatch": monkeypatch},
-             "triton": {"monkeypatch": monkeypatch},
-             "onnxruntime": {"tmp_path": tmp_path}}.get(backend, {})
-    got = fn(x, axis, kind, halves, **extra)
+    got = fn(x, axis, kind, halves, **fixtures(backend, monkeypatch, tmp_path))
     if backend == "onnxruntime":
         got, x, axis = got
     assert_same(got, from_reference(x, axis, kind), x, axis)
@@ -254,8 +259,7 @@ def test_a_unit_on_one_side_of_the_centre_stores_its_least_distance_rounded_down
     x = np.array([[1e-9, 0.7, 0.45], [2e-9, 0.8, 0.9], [3e-9, 0.9, 0.6]] * 2, np.float32)
     truth = np.abs(x.astype(np.float64) - 0.5).min(axis=0)
     fn = BACKENDS[backend][0]
-    got = fn(x, 1, "sigmoid", False, **({"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer",
-                                                                                   "triton") else {}))
+    got = fn(x, 1, "sigmoid", False, **fixtures(backend, monkeypatch))
     assert got.unit_min_dev.dtype == np.float32
     np.testing.assert_array_equal(got.unit_min_dev, [np.nextafter(np.float32(t), np.float32(-1)) if np.float32(t) > t
                                                      else np.float32(t) for t in truth])
@@ -285,7 +289,7 @@ def test_a_value_changed_in_place_after_it_is_read_is_not_seen(backend, dtype, m
     original = x.copy()
     want = from_reference(original, axis, "linear")
     assert want.nan_count and want.inf_count
-    extra = {"monkeypatch": monkeypatch} if backend in ("torch-ops", "torch-transfer", "triton") else {}
+    extra = fixtures(backend, monkeypatch)
     if backend.startswith("torch") or backend == "triton":  # the tensors read (on the device, or sharing x's memory) cleaned afterwards
         cleaned = []
         got = fn(x, axis, "linear", True, change=lambda t: cleaned.append(t.nan_to_num_(0.0).mul_(3.0)), **extra)

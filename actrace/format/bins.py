@@ -92,7 +92,6 @@ _WITH_ZERO_KEYS[[0, _HALF]] = True  # zero shares its key with the tiniest subno
 _AMBIGUOUS_KEYS, _AMBIGUOUS_KEYS_WITH_ZERO = np.flatnonzero(_AMBIGUOUS), np.flatnonzero(_WITH_ZERO_KEYS)
 
 
-
 def signed_edges(dtype) -> np.ndarray:
     """Sorted edges S such that #(S < v) is the bin of every non-NaN v of `dtype` (float32, float64):
     −inf, each −E (v < −E ⇔ |v| > E), the largest negative value and 0 (either side of zero's bin),

@@ -179,25 +179,27 @@ def _totals_kernel(table_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     tl.store(row + 6, tl.sum(nan.to(tl.int64), 0).to(tl.float64))
 
 
-@functools.cache
-def _kernel():
-    """The kernel, compiled at its first launch for each block shape (Triton caches it on disk);
-    run by Triton's interpreter on CPU tensors where TRITON_INTERPRET was set before its import."""
+def _triton():
+    """triton, imported at the first GPU reading, with `tl` set: the kernels' global, read when Triton
+    compiles them (or interprets them, on CPU tensors, where TRITON_INTERPRET was set before the import)."""
     global tl
     import triton
     import triton.language
 
-    tl = triton.language  # the kernels' global, read when Triton compiles (or interprets) them
-    return triton.jit(_stats_kernel, do_not_specialize=["rows", "span"])  # a program each, not per batch size
+    tl = triton.language
+    return triton
+
+
+@functools.cache
+def _kernel():
+    """`_stats_kernel`, compiled at its first launch for each block shape (Triton caches it on disk)."""
+    return _triton().jit(_stats_kernel, do_not_specialize=["rows", "span"])  # a program each, not per batch size
 
 
 @functools.cache
 def _totals():
     """`_totals_kernel`, as `_kernel` makes its own."""
-    import triton
-
-    _kernel()
-    return triton.jit(_totals_kernel)
+    return _triton().jit(_totals_kernel)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -284,12 +286,13 @@ def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
     table = torch.tensor(rows, dtype=torch.int64).pin_memory() if device.type == "cuda" else torch.tensor(rows)
     table = table.to(device, non_blocking=True)
     out = torch.empty((n, 7), dtype=torch.float64, device=device)
+    launch = _totals()  # and `tl`, for the dtypes
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for dtype, group in itertools.groupby(order, key=lambda i: tensors[i].dtype):
             group = list(group)
             at, count = first[group[0]], sum(pieces[i] for i in group)
             wide = "float64" if dtype == torch.float64 else "float32"
-            _totals()[(count,)](table[at: at + count], out[at: at + count], CHUNK=_CHUNK, BLOCK=1024,
+            launch[(count,)](table[at: at + count], out[at: at + count], CHUNK=_CHUNK, BLOCK=1024,
                                 DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), WIDE=getattr(tl, wide),
                                 enable_fp_fusion=False)
     parts = out.cpu().numpy()

@@ -94,8 +94,7 @@ class Reading:
                 hist=v["hist"].astype(np.int64, copy=False) if "hist" in v else None,
                 sat_counts=v["sat_counts"].astype(np.int64, copy=False) if "sat_counts" in v else None, **meta)
         if per_unit:  # the backend's arrays kept where they have the column's type already (no copy)
-            bounds = meta.get("bounds")
-            if bounds is not None and (c := (bounds[0] + bounds[1]) / 2.0):  # `reference.centre`, not 0
+            if c := centre(meta.get("bounds")):
                 v["unit_min_dev"] = _one_sided(v, c)
             for name, dtype in _UNIT_DTYPES.items():
                 value = v[name].reshape(-1)
@@ -118,6 +117,11 @@ class Reading:
                            count=math.prod(shape), nan_count=nans, inf_count=infs, zero_count=zeros,
                            sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta))
         return out
+
+
+def centre(bounds: tuple[float, float] | None) -> float:
+    """The point `unit_min_dev` is measured from: the middle of the bounds, else 0."""
+    return 0.0 if bounds is None else (bounds[0] + bounds[1]) / 2.0
 
 
 def _one_sided(v: dict, c: float) -> np.ndarray:

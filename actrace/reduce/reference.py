@@ -12,7 +12,7 @@ import numpy as np
 from actrace.format import bins
 from actrace.format.schema import SAT_COUNTS, sat_thresholds
 
-from .reading import ReductionError
+from .reading import ReductionError, centre
 
 
 def _f32_inward(v: float, up: bool) -> float:
@@ -40,10 +40,6 @@ def sat_levels(bounds: tuple[float, float], float32: bool) -> tuple[list[float],
     if float32:
         return [_f32_inward(v, False) for v in lows], [_f32_inward(v, True) for v in highs]
     return lows, highs
-
-def centre(bounds: tuple[float, float] | None) -> float:
-    """The point `unit_min_dev` is measured from: the middle of the bounds, else 0."""
-    return 0.0 if bounds is None else (bounds[0] + bounds[1]) / 2.0
 
 def check_reducible(floating: bool, dtype, shape: tuple, layer: str) -> None:
     """Refuse what spec §Numerics says must not be recorded, naming the layer: a tensor that is

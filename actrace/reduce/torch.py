@@ -218,13 +218,13 @@ def _beside(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pe
 def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
     """The statistics on the tensor's device, without a host sync: a per-unit reading of a GPU by one
     fused kernel where Triton is installed (`fused`), others by torch kernels (`_masked`)."""
-    per_unit, bounds, c = pending.per_unit, pending.bounds, centre(pending.bounds)
+    per_unit, bounds = pending.per_unit, pending.bounds
     if per_unit and fused.usable(x) and (words := fused.stats(x, axis, bounds, histogram)) is not None:
         pending.stats["fused"], pending.histogram = words, histogram  # one buffer, named on the host (`_finish`)
         return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1
-    pending.stats.update(_masked(x, axis, c, pending.kind == "relu", histogram, moments=per_unit))
+    pending.stats.update(_masked(x, axis, centre(bounds), pending.kind == "relu", histogram, moments=per_unit))
     if bounds is not None and per_unit:
         pending.stats["sat_counts"] = sat_counts(x, bounds, torch)
     return pending
@@ -302,7 +302,7 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
         if kernel.available else []
     devices: dict = {}  # a GPU's tensors, each device's read by the fused kernels at once
     for i, t in enumerate(tensors):
-        if fused.usable(t, narrow=True) and i not in on_cpu:
+        if fused.usable(t, narrow=True):
             devices.setdefault(t.device, []).append(i)
     for group, reduce in [(on_cpu, lambda data: kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])),
                           *((items, fused.totals) for items in devices.values())]:
