@@ -1,9 +1,11 @@
 """The PyTorch adapter on model code we did not write: Hugging Face `transformers` language and
 vision models built from small configs (no weights downloaded). Every activation the model
-applies is read once with its kind, and units killed by construction read as dead."""
+applies is read once with its kind, and units killed by construction read as dead, also by the GPU's
+fused kernels (`path`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import numpy as np
@@ -57,27 +59,43 @@ def vit():
 MODELS = {"gpt2": gpt2, "llama": llama, "convnext": convnext, "vit": vit}
 
 
+@pytest.fixture(params=["native", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is here: its CUDA tests read the fused kernels"))])
+def path(request, monkeypatch):
+    """How the readings are reduced: as on this machine (`native`), or every tensor as a GPU's would be,
+    by the fused Triton kernels (run by Triton's interpreter) and one transfer (`triton`)."""
+    if request.param == "triton":
+        from actrace.reduce import fused, kernel
+        from actrace.reduce import torch as reductions
+
+        monkeypatch.setattr(kernel, "available", False)
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype in (torch.float32, torch.float64)
+                            or narrow and t.is_floating_point())
+        monkeypatch.setattr(reductions, "on_device", lambda v: isinstance(v, torch.Tensor))
+    return request.param
+
+
 @pytest.mark.parametrize("build", MODELS.values(), ids=MODELS.keys())
-def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp_path, build, cli):
+def test_every_activation_of_a_transformers_model_is_read_once_with_its_kind(tmp_path, build, cli, path):
     torch.manual_seed(0)
     model, probe, first_bias, expected = build()
     with torch.no_grad():
         first_bias[:8] = -1e4  # gelu/silu of -1e4 is exactly 0: 8 dead units in the first block
-    path = tmp_path / "hf.parquet"
+    trace = tmp_path / "hf.parquet"
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no axis lost, no eval-mode doubt on these models
-        with Monitor(model, probe, path, grad_every=None) as mon:
+        with Monitor(model, probe, trace, grad_every=None) as mon:
             mon.probe_reading(0)
-    t = actrace.read_table(path).to_pylist()
+    t = actrace.read_table(trace).to_pylist()
     acts = {r["layer"]: (r["kind"], r["units"]) for r in t if r["kind"] in ACTIVATIONS}
     assert acts == expected
     assert all(r["unit_axis"] is not None for r in t)
-    m = metrics(path).filter(pl.col("stream") == "activation")
+    m = metrics(trace).filter(pl.col("stream") == "activation")
     dead = dict(zip(m["layer"], m["dead_fraction"]))
     first = min(expected, key=lambda n: [r["layer"] for r in t].index(n))
     assert dead[first] == 8 / expected[first][1]
     assert all(dead[n] == 0 for n in expected if n != first)
-    res = cli("summary", path)
+    res = cli("summary", trace)
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith(first + " "))
     assert expected[first][0] in line and f"{100 * 8 / expected[first][1]:.0f}%" in line
@@ -109,7 +127,7 @@ def test_a_transformers_model_reads_the_same_replayed_as_traced(tmp_path, build)
                 (a.layer, f.name)
 
 
-def test_a_bert_attention_softmax_is_read_across_its_keys_and_a_mask_to_one_key_reads_peaked(tmp_path):
+def test_a_bert_attention_softmax_is_read_across_its_keys_and_a_mask_to_one_key_reads_peaked(tmp_path, path):
     """Eager BERT attention with the mask keeping only key 0: every query's distribution puts all its
     probability there, so every distribution is peaked and key 0 (1 of 6 units) is pinned at 1."""
     torch.manual_seed(0)
