@@ -14,6 +14,8 @@ side in one run:
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
   - a training step with actrace gradient readings at every step vs a plain training step;
+  - `grad ms`: one gradient reading alone, over a run of them, with its share of the writer's
+    flushes and of Python's full collections (which the 0.2 s rounds may all miss);
   - on CUDA also: the probe reading with its reductions on a side stream (`side stream`, not the
     model's own), by torch kernels instead of the fused Triton kernel (`torch ops`), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
     debug mode; where they happen is printed below the row when there is more than one).
@@ -180,6 +182,21 @@ def host_syncs(read) -> list[str]:
     return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
+def gradient_cost(model, probe, path: str, steps, seconds: float = 1.5) -> float:
+    """ms one per-step gradient reading costs in a run of them (at the gradients the model holds), with
+    its share of the writer's flushes (at its default, 4096 rows) and of Python's full collections,
+    which the rounds of `interleaved` (0.2 s each) may all miss."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no gradient arrives between these readings: said, not news
+        with Monitor(model, probe, path, overwrite=True, probe_every=10**9, param_every=10**9) as mon:
+            mon.gradient_reading(next(steps))
+            n, start = 0, time.perf_counter()
+            while n < 20 or time.perf_counter() - start < seconds:
+                mon.gradient_reading(next(steps))
+                n += 1
+            return (time.perf_counter() - start) / n * 1e3
+
+
 @contextmanager
 def setting(owner, name: str, value):
     """`owner.name` set to `value` for the block: the reductions on a side stream (`SIDE_STREAM`),
@@ -206,7 +223,7 @@ def main() -> None:
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
     cuda = dev.type == "cuda"
     header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'no derived':>10} {'per-stat':>9} " \
-             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7}" + (f" {'side stream':>11} {'torch ops':>9} {'syncs':>5}" if cuda else "")
+             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7} {'grad ms':>7}" + (f" {'side stream':>11} {'torch ops':>9} {'syncs':>5}" if cuda else "")
     print(header)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -236,7 +253,7 @@ def main() -> None:
             @contextmanager
             def monitored(**kw):
                 with Monitor(model, probe, f"{d}/t.parquet", overwrite=True, flush_every=10_000_000,
-                             **kw) as mon:
+                             grad_every=None, **kw) as mon:
                     mon.probe_reading(next(steps))  # the first reading warms the threads
                     yield lambda: mon.probe_reading(next(steps))
 
@@ -264,6 +281,7 @@ def main() -> None:
                 **({"side stream": lambda: monitored_with(reductions, "SIDE_STREAM", True),
                     "torch ops": lambda: monitored_with(fused, "usable", lambda x: False)} if cuda else {}),
             }, args.repeat, sync, calls=None)
+            grad_ms = gradient_cost(model, probe, f"{d}/c.parquet", steps)
             if cuda:
                 with monitored() as read:
                     syncs = host_syncs(read)
@@ -275,7 +293,7 @@ def main() -> None:
               f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'no derived', 'forward'):>9.2f}x "
               f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
-              f"{paired(t, '+grads', 'train'):>6.2f}x" +
+              f"{paired(t, '+grads', 'train'):>6.2f}x {grad_ms:>7.2f}" +
               (f" {paired(t, 'side stream', 'forward'):>10.2f}x {paired(t, 'torch ops', 'forward'):>8.2f}x {len(syncs):>5}"
                if cuda else ""))
         if cuda and len(syncs) > 1:

@@ -1,6 +1,7 @@
 """The writer: round trip, part files at every flush, atomic compaction, SIGKILL safety."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -197,3 +198,22 @@ def test_a_clamp_is_written_with_one_kind_whatever_it_was_called(tmp_path, kind,
     row = actrace.read_table(tmp_path / "c.parquet").to_pylist()[0]
     assert (row["kind"], row["bound_lo"], row["bound_hi"]) == written
     assert validate(tmp_path / "c.parquet") == []
+
+
+def test_buffered_readings_are_left_alone_by_the_cyclic_collector(tmp_path):
+    """Until a flush the writer holds each reading as plain values and numpy arrays, which Python's
+    collector stops tracking by its second look (the shape, a tuple inside, at the first), long
+    before a full collection: buffered `Reading`s (each with its own dict) would
+    be scanned by every full collection of the training process and bring those sooner
+    (bench/bench_torch.py's `grad ms`). Per-unit arrays, a histogram and bounds included."""
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "g.parquet", flush_every=10**6) as w:
+        for step in range(3):
+            w.record_activation(step, "act", np.tanh(rng.normal(size=(16, 4))).astype(np.float32), kind="tanh")
+            w.record_param_grad(step, "fc", "weight", rng.normal(size=(4, 3)))
+            w.log(step, loss=1.0 / (step + 1))
+        gc.collect(), gc.collect()
+        assert len(w._rows) == 9 and not any(gc.is_tracked(row) for row in w._rows)
+    rows = actrace.read_table(tmp_path / "g.parquet").to_pylist()
+    assert len(rows) == 9 and {r["stream"] for r in rows} == {"activation", "param_grad", "scalar"}
+    assert all(r["bound_lo"] == -1.0 for r in rows if r["kind"] == "tanh") and validate(tmp_path / "g.parquet") == []

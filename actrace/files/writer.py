@@ -28,7 +28,7 @@ from actrace.reduce import Reading, ReductionError, reduce_array
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
 from actrace.files.lake import lake_run
 from actrace.files.location import location, remote, remove
-from actrace.files.table import readings_to_table
+from actrace.files.table import row, rows_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
@@ -248,7 +248,7 @@ class Writer:
         self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
                                   adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
                                   probe_size=probe_size, mode=mode, aliases=aliases)
-        self._rows: list[tuple[Reading, dict]] = []
+        self._rows: list[tuple] = []  # `table.row`s
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
         self._last_step: dict[tuple[str, str, str | None], int] = {}
@@ -312,13 +312,13 @@ class Writer:
             layer_indexes = None if layer_indexes is None else [layer_indexes[i] for i in kept]
         if layer_indexes is None:
             layer_indexes = [self._layer_index.setdefault(r.layer, len(self._layer_index)) for r in readings]
-        base = dict(run=self.run, step=int(step), mode=mode or self.mode, wall_time=time.time())
+        step, mode, wall_time = int(step), mode or self.mode, time.time()
         fingerprint = probe_fingerprint or self.probe_fingerprint
         for reading, index in zip(readings, layer_indexes):
-            self._last_step[(reading.layer, reading.stream, reading.param)] = int(step)
+            self._last_step[(reading.layer, reading.stream, reading.param)] = step
             self.streams.add(reading.stream)
-            self._rows.append((reading, dict(base, layer_index=int(index), probe_fingerprint=fingerprint if
-                                             reading.stream in ("activation", "activation_grad") else None)))
+            self._rows.append(row(reading, self.run, step, int(index), mode, fingerprint if
+                                  reading.stream in ("activation", "activation_grad") else None, wall_time))
         due = time.monotonic() - self._last_flush >= self.flush_seconds
         if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
             self.flush()
@@ -424,7 +424,7 @@ class Writer:
         self._last_flush = time.monotonic()
         if not self._rows:
             return True
-        table = readings_to_table(self._rows)
+        table = rows_to_table(self._rows)
         try:
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)),
                           self.parts / f"part-{self._n_parts + 1:06d}.parquet")
@@ -450,7 +450,7 @@ class Writer:
         """A trace whose readings are all still in memory, written at once (no part file to write
         and read back); False where the disk refuses, leaving the part-file way to try."""
         try:
-            write_parquet(readings_to_table(self._rows).replace_schema_metadata(metadata.encode(self.meta)),
+            write_parquet(rows_to_table(self._rows).replace_schema_metadata(metadata.encode(self.meta)),
                           self.path)
         except self._refusals:
             return False
