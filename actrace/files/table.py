@@ -37,9 +37,10 @@ _COLUMNS = _CONTEXT + ("kind", "shape", "bound_lo", "bound_hi") + _SCALARS + _LI
 def row(reading: Reading, run: str, step: int, layer_index: int, mode: str | None, probe_fingerprint: str | None,
         wall_time: float) -> tuple:
     """A reading and its context as a writer buffers it until a flush: one flat tuple of plain values
-    and numpy arrays, which Python's cyclic collector stops tracking by its second look. Buffered
-    `Reading`s would be scanned by every full collection of the process, and make those come
-    sooner: of a 290-parameter model, 1.35 ms a per-step gradient reading (bench/bench_torch.py)."""
+    and numpy arrays, taken at record time, which Python's cyclic collector stops tracking by its
+    second look. Buffered `Reading`s would be scanned by every full collection of the process, and
+    make those come sooner: 1.35 ms of a 290-parameter model's 6.2 ms per-step gradient reading
+    (4.0 ms with rows: bench/bench_torch.py's `grad ms`)."""
     kind = canonical_kind(reading.kind, reading.bounds)[0]  # one kind per clamp, whoever wrote it
     lo, hi = (None, None) if reading.bounds is None else reading.bounds
     return (run, step, layer_index, mode, probe_fingerprint, wall_time, kind, tuple(reading.shape), lo, hi) + \

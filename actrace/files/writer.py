@@ -314,11 +314,12 @@ class Writer:
             layer_indexes = [self._layer_index.setdefault(r.layer, len(self._layer_index)) for r in readings]
         step, mode, wall_time = int(step), mode or self.mode, time.time()
         fingerprint = probe_fingerprint or self.probe_fingerprint
-        for reading, index in zip(readings, layer_indexes):
-            self._last_step[(reading.layer, reading.stream, reading.param)] = step
+        for reading, index in zip(readings, layer_indexes):  # its values as they are now, at record time
+            buffered = row(reading, self.run, step, int(index), mode, fingerprint if
+                           reading.stream in ("activation", "activation_grad") else None, wall_time)
+            self._last_step[(reading.layer, reading.stream, reading.param)] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
-            self._rows.append(row(reading, self.run, step, int(index), mode, fingerprint if
-                                  reading.stream in ("activation", "activation_grad") else None, wall_time))
+            self._rows.append(buffered)
         due = time.monotonic() - self._last_flush >= self.flush_seconds
         if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
             self.flush()
