@@ -296,13 +296,11 @@ def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
                                 DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), WIDE=getattr(tl, wide),
                                 enable_fp_fusion=False)
     parts = out.cpu().numpy()
-    starts = np.array([first[i] for i in range(len(tensors))])
-    ranked = np.argsort(starts, kind="stable")
-    add = np.add.reduceat(parts, starts[ranked], axis=0)
-    lo = np.minimum.reduceat(parts[:, 2], starts[ranked])
-    hi = np.maximum.reduceat(parts[:, 3], starts[ranked])
-    back = np.empty_like(ranked)
-    back[ranked] = np.arange(len(ranked))
+    starts = [first[i] for i in order]  # ascending: the chunks lie in `order`
+    add = np.add.reduceat(parts, starts, axis=0)
+    lo = np.minimum.reduceat(parts[:, 2], starts)
+    hi = np.maximum.reduceat(parts[:, 3], starts)
+    back = np.argsort(order)  # each tensor's row among them
     add, lo, hi = add[back], lo[back], hi[back]
     none = np.isinf(lo)  # a tensor with no finite value: NaN extremes
     lo, hi = np.where(none, np.nan, lo), np.where(none, np.nan, hi)
