@@ -13,7 +13,10 @@ side in one run:
   - forward hooks calling `.mean().item()`, `.std().item()`, `.min().item()`, `.max().item()` and
     the zero share per layer (what people hand-roll today);
   - TensorBoard's `add_histogram` per layer;
-  - a training step with actrace gradient readings at every step vs a plain training step;
+  - `+grads`: a training step with an actrace gradient reading vs one without, taking turns step
+    by step under one monitor (the median of each pair's ratio): the reading's cost where it runs,
+    after a backward that left the interpreter's and the kernel's data cold in cache (a run of
+    readings alone costs half as much);
   - `grad ms`: one gradient reading alone, over a run of them, with its share of the writer's
     flushes and of Python's full collections (which the 0.2 s rounds may all miss);
   - on CUDA also: the probe reading with its reductions on a side stream (`side stream`, not the
@@ -197,6 +200,23 @@ def gradient_cost(model, probe, path: str, steps, seconds: float = 1.5) -> float
             return (time.perf_counter() - start) / n * 1e3
 
 
+def gradient_overhead(model, probe, path: str, train_step, sync, seconds: float = 3.0) -> float:
+    """A training step with a gradient reading over one without: the two take turns, which goes first
+    alternating, under one monitor (its hooks on both), for `seconds`; the median of the pairs' ratios."""
+    with Monitor(model, probe, path, overwrite=True, probe_every=10**9, param_every=10**9) as mon:
+        ratios, start = [], time.perf_counter()
+        while len(ratios) < 50 or time.perf_counter() - start < seconds:
+            times = {}
+            for read in ((False, True) if len(ratios) % 2 else (True, False)):
+                sync()
+                t0 = time.perf_counter()
+                train_step(mon if read else None)
+                sync()
+                times[read] = time.perf_counter() - t0
+            ratios.append(times[True] / times[False])
+        return statistics.median(ratios)
+
+
 @contextmanager
 def setting(owner, name: str, value):
     """`owner.name` set to `value` for the block: the reductions on a side stream (`SIDE_STREAM`),
@@ -262,13 +282,6 @@ def main() -> None:
                 with setting(owner, name, value), monitored() as read:
                     yield read
 
-            @contextmanager
-            def watched():
-                with Monitor(model, probe, f"{d}/g.parquet", overwrite=True, probe_every=10**9,
-                             param_every=10**9, flush_every=10_000_000) as mon:
-                    train_step(mon)
-                    yield lambda: train_step(mon)
-
             tb = SummaryWriter(d)
             t = interleaved({
                 "forward": lambda: nullcontext(forward),
@@ -277,11 +290,11 @@ def main() -> None:
                 "no derived": lambda: monitored(exclude=NOT_DERIVED),
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
-                "+grads": watched,
                 **({"side stream": lambda: monitored_with(reductions, "SIDE_STREAM", True),
                     "torch ops": lambda: monitored_with(fused, "usable", lambda x: False)} if cuda else {}),
             }, args.repeat, sync, calls=None)
             grad_ms = gradient_cost(model, probe, f"{d}/c.parquet", steps)
+            grads = gradient_overhead(model, probe, f"{d}/g.parquet", train_step, sync)
             if cuda:
                 with monitored() as read:
                     syncs = host_syncs(read)
@@ -293,7 +306,7 @@ def main() -> None:
               f"{paired(t, 'no hist', 'forward'):>7.2f}x {paired(t, 'no derived', 'forward'):>9.2f}x "
               f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
-              f"{paired(t, '+grads', 'train'):>6.2f}x {grad_ms:>7.2f}" +
+              f"{grads:>6.2f}x {grad_ms:>7.2f}" +
               (f" {paired(t, 'side stream', 'forward'):>10.2f}x {paired(t, 'torch ops', 'forward'):>8.2f}x {len(syncs):>5}"
                if cuda else ""))
         if cuda and len(syncs) > 1:

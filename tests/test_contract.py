@@ -440,6 +440,35 @@ def test_a_kernel_built_for_another_struct_layout_is_refused_at_import(monkeypat
         kernel._load()
 
 
+def test_whole_tensor_totals_of_buffers_of_sizes_read_before_are_this_call_s_own():
+    """`kernel.reduce_totals` keeps its job table and outputs for the next call of the same sizes
+    (a training step's gradients): each call gives its own buffers' numbers, whatever came between,
+    and what it gave earlier stays as it was."""
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+    rng = np.random.default_rng(0)
+    sizes = [7, kernel.SPLIT + 3, 1, 300]  # one cut among threads
+
+    def check(arrays, got):
+        for i, x in enumerate(arrays):
+            finite = x[np.isfinite(x)]
+            assert got["unit_sum"][i] == pytest.approx(finite.astype(np.float64).sum(), rel=1e-6, abs=1e-9)
+            assert (got["unit_min"][i], got["unit_max"][i]) == (finite.min(), finite.max())
+            assert (got["unit_zero"][i], got["nan_count"][i], got["inf_count"][i]) == \
+                ((finite == 0).sum(), np.isnan(x).sum(), np.isinf(x).sum())
+
+    calls = []
+    for n in range(3):
+        arrays = [rng.standard_normal(size).astype(np.float32) * (n + 1) for size in sizes]
+        arrays[0][n] = [np.nan, np.inf, 0.0][n]
+        if n == 2:  # the second call reused the first's layout; a call of other sizes before the third
+            between = np.ones(5, np.float32)
+            kernel.reduce_totals([between.ctypes.data], [5])
+        calls.append((arrays, kernel.reduce_totals([a.ctypes.data for a in arrays], sizes)))
+    for arrays, got in calls:
+        check(arrays, got)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", ["clean", "hard"])
 def test_reduce_arrays_reads_relu_from_its_inputs_pass_or_its_own(case, dtype):

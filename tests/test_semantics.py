@@ -214,6 +214,20 @@ def test_a_step_that_restarts_is_dropped_by_the_writer_naming_layer_and_steps_wi
     assert validate(tmp_path / "r.parquet") == []
 
 
+def test_a_reading_twice_in_one_batch_is_kept_once_and_said(tmp_path):
+    """Two readings of one (layer, stream, param) handed over together at one step: the first is the
+    trace's, the second is dropped and said, as one handed over later would be."""
+    from actrace.reduce import reduce_array
+
+    first, second = (reduce_array(np.full((2, 3), v, np.float32), 1, "relu", layer="fc") for v in (1.0, 2.0))
+    with actrace.Writer(tmp_path / "r.parquet", run="r") as w:
+        with pytest.warns(UserWarning, match="step 4 for activation of layer 'fc' was recorded already"):
+            w.record_many(4, [first, second])
+    rows = actrace.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [(r["step"], r["sum"]) for r in rows] == [(4, 6.0)]
+    assert validate(tmp_path / "r.parquet") == []
+
+
 def test_duplicate_readings_made_elsewhere_are_reported_and_shown_once(tmp_path, cli):
     with actrace.Writer(tmp_path / "a.parquet", run="a") as w:
         for step in (0, 1):

@@ -305,19 +305,18 @@ class Writer:
             raise RuntimeError(f"{self.path}: writer is closed")
         if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
             raise Terminated()
-        readings = [self._named(r) for r in readings]
-        kept = [i for i, r in enumerate(readings) if self._grows(step, r)]
-        if len(kept) < len(readings):
-            readings = [readings[i] for i in kept]
-            layer_indexes = None if layer_indexes is None else [layer_indexes[i] for i in kept]
-        if layer_indexes is None:
-            layer_indexes = [self._layer_index.setdefault(r.layer, len(self._layer_index)) for r in readings]
         step, mode, wall_time = int(step), mode or self.mode, time.time()
         fingerprint = probe_fingerprint or self.probe_fingerprint
-        for reading, index in zip(readings, layer_indexes):  # its values as they are now, at record time
-            buffered = row(reading, self.run, step, int(index), mode, fingerprint if
+        for i, reading in enumerate(readings):
+            reading = self._named(reading)
+            key = (reading.layer, reading.stream, reading.param)
+            if not self._grows(step, key):
+                continue
+            index = self._layer_index.setdefault(reading.layer, len(self._layer_index)) if layer_indexes is None \
+                else layer_indexes[i]
+            buffered = row(reading, self.run, step, int(index), mode, fingerprint if  # its values as they are now
                            reading.stream in ("activation", "activation_grad") else None, wall_time)
-            self._last_step[(reading.layer, reading.stream, reading.param)] = step  # marked recorded once its row is made
+            self._last_step[key] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
             self._rows.append(buffered)
         due = time.monotonic() - self._last_flush >= self.flush_seconds
@@ -340,28 +339,24 @@ class Writer:
         return reading if (layer, param) == (reading.layer, reading.param) else \
             dataclasses.replace(reading, layer=layer, param=param)
 
-    def _grows(self, step: int, reading: Reading) -> bool:
-        """Whether `step` is after the last one recorded for this reading's layer, stream and param (a
-        trace holds one reading per step, spec §Validity); a step that is not is dropped and said
-        once, never raised into the training loop."""
-        last = self.last_step(reading)
-        if last is None or int(step) > last:
+    def _grows(self, step: int, key: tuple) -> bool:
+        """Whether `step` is after the last one recorded for this reading's (layer, stream, param)
+        `key` (a trace holds one reading per step, spec §Validity); a step that is not is dropped and
+        said once, never raised into the training loop."""
+        last = self._last_step.get(key)
+        if last is None or step > last:
             return True
         self.dropped += 1
-        repeat = int(step) == last
+        repeat = step == last
         if repeat not in self._said_dropped:  # a repeated step and a restarting count, each said once
             self._said_dropped.add(repeat)
-            what = f"{reading.stream} of layer {reading.layer!r}" + (f", param {reading.param!r}" if reading.param
-                                                                       else "")
+            layer, stream, param = key
+            what = f"{stream} of layer {layer!r}" + (f", param {param!r}" if param else "")
             why = ("was recorded already; the second reading is dropped" if repeat else
                    f"is not after step {last}, already recorded: steps must keep growing (epoch * steps_per_epoch + "
                    "i, not a count restarting each epoch); readings at such steps are dropped")
             warnings.warn(f"actrace: {self.path}: step {step} for {what} {why} (said once)", stacklevel=4)
         return False
-
-    def last_step(self, reading: Reading) -> int | None:
-        """The step of the last reading recorded for this reading's layer, stream and param."""
-        return self._last_step.get((reading.layer, reading.stream, reading.param))
 
     def record_tensor(self, step: int, layer: str, x, *, stream: str, kind: str = "other",
                       unit_axis: int | None = -1, param: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -208,21 +209,37 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
     """Whole-tensor statistics (one unit, no histogram) of many C-contiguous float32 buffers (their
     data addresses and lengths; the caller keeps them alive) in one batch: per buffer, each of
     `TOTALS`. For the many small tensors of a per-step gradient reading, where building a job per
-    tensor would cost more than reducing it, the job table and outputs are built as whole arrays."""
-    n, sizes = len(sizes), np.asarray(sizes, np.int64)
-    pieces = np.where(sizes >= SPLIT, _threads(), 1).astype(np.int32)
-    first = np.cumsum(pieces) - pieces
-    width = 3 + bins.N_BINS + 2
-    f64, f32 = np.zeros((first[-1] + pieces[-1], F64_ROWS)), np.empty((first[-1] + pieces[-1], 3), np.float32)
-    i64 = np.zeros((first[-1] + pieces[-1], width), np.int64)
-    table = np.zeros(n * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
-    jobs = table.view(_JOBS)
-    jobs["x"], jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = addresses, 1, 1, sizes, pieces
-    jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
-    jobs["i64"] = _address(i64) + 8 * width * first
-    _dispatch(_address(table), n, int(pieces.sum()), int(sizes.sum()))
+    tensor would cost more than reducing it, the job table and outputs are whole arrays, kept from
+    one call to the next of the same sizes (each step's gradients have their parameters' sizes)."""
+    layout = getattr(_layouts, "last", None)
+    if layout is None or layout[0] != sizes:
+        layout = _layouts.last = (list(sizes), *_totals_layout(sizes))
+    _, table, jobs, f64, f32, i64, first = layout
+    jobs["x"], jobs["done"] = addresses, 0
+    f64.fill(0)
+    i64.fill(0)
+    _dispatch(_address(table), len(sizes), int(jobs["pieces"].sum()), sum(sizes))
     f64, f32, i64 = f64[first], f32[first], i64[first]
     return dict(zip(TOTALS, (f64[:, 0], f64[:, 1], f32[:, 0], f32[:, 1], i64[:, 0], i64[:, 1], i64[:, -2], i64[:, -1])))
+
+
+_layouts = threading.local()  # `last`: this thread's (sizes, job table, outputs) of `reduce_totals`
+
+
+def _totals_layout(sizes: list[int]) -> tuple:
+    """`reduce_totals`' job table for buffers of these sizes, one unit each, a large one cut in a
+    piece per thread, and its outputs (a row per piece: `first` is each buffer's first)."""
+    sizes = np.asarray(sizes, np.int64)
+    pieces = np.where(sizes >= SPLIT, _threads(), 1).astype(np.int32)
+    first = np.cumsum(pieces) - pieces
+    rows, width = int(pieces.sum()), 3 + bins.N_BINS + 2
+    f64, f32, i64 = np.zeros((rows, F64_ROWS)), np.empty((rows, 3), np.float32), np.zeros((rows, width), np.int64)
+    table = np.zeros(len(sizes) * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
+    jobs = table.view(_JOBS)
+    jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = 1, 1, sizes, pieces
+    jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
+    jobs["i64"] = _address(i64) + 8 * width * first
+    return table, jobs, f64, f32, i64, first
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

@@ -102,21 +102,18 @@ class Reading:
         return r
 
     @classmethod
-    def from_totals(cls, totals: dict[str, np.ndarray], metas: list[dict], scale: float = 1.0) -> list["Reading"]:
-        """Layer-level readings (no per-unit columns) of many tensors at once, from arrays of their
-        whole-tensor statistics (`kernel.TOTALS`, one row per tensor) and each one's `shape`,
-        `unit_axis`, `layer` …; the statistics of values that carry a factor `scale` (a loss
-        scaler's) are divided by it. A per-step gradient reading makes dozens of these."""
+    def from_totals(cls, totals: dict[str, np.ndarray], shapes: list[tuple], dtypes: list[str], metas: list[dict],
+                    scale: float = 1.0) -> list["Reading"]:
+        """Layer-level readings (unit axis 0, no per-unit columns) of many tensors at once, from arrays
+        of their whole-tensor statistics (`kernel.TOTALS`, one row per tensor), their shapes, dtypes
+        and `metas` (layer, kind, stream, param); the statistics of values that carry a factor `scale`
+        (a loss scaler's) are divided by it. A per-step gradient reading makes dozens of these."""
         rows = zip(*(totals[k].tolist() for k in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero",
-                                                  "nan_count", "inf_count")))
-        out = []
-        for (total, squares, lo, hi, zeros, nans, infs), meta in zip(rows, metas):
-            shape = tuple(meta.pop("shape"))
-            axis = meta.pop("unit_axis")
-            out.append(cls(shape=shape, unit_axis=axis, units=1 if axis is None else shape[axis],
-                           count=math.prod(shape), nan_count=nans, inf_count=infs, zero_count=zeros,
-                           sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta))
-        return out
+                                                  "nan_count", "inf_count")), shapes, dtypes, metas)
+        return [cls(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
+                    count=math.prod(shape), dtype=dtype, nan_count=nans, inf_count=infs, zero_count=zeros,
+                    sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta)
+                for total, squares, lo, hi, zeros, nans, infs, shape, dtype, meta in rows]
 
 
 def centre(bounds: tuple[float, float] | None) -> float:

@@ -58,6 +58,17 @@ class Pending:
 _scratch = threading.local()  # per thread: reused buffers (scratch_like)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as the spec names it (`float32`), as numpy does."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict = {}
+
+
 def scratch_like(x: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
     """A reused buffer (one per thread and `slot`) shaped like `x`: a fresh full-size temporary per
     reading costs page faults that can exceed the reduction itself (measured on CPU: 3-4x)."""
@@ -159,7 +170,7 @@ def _prepared(t: torch.Tensor, unit_axis: int | None, kind: str, *, layer: str, 
     elif rows is not None and not bool(rows.all()):  # on the host (every row kept, as usual: nothing to do)
         x = x[rows]
     fresh = kept is not None or x.is_nested or x.dtype in (torch.float16, torch.bfloat16)  # a copy already
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = dtype_name(x.dtype)
     check_reducible(x.is_floating_point(), dtype, (1,), layer)
     if x.is_nested:
         x, unit_axis = _flat_nested(x, unit_axis)
@@ -295,22 +306,23 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
         got = iter(_local_readings([tensors[i] for i in kept], [metas[i] for i in kept], scale))
         return [Reading(shape=tuple(tensors[i].shape), unit_axis=0, units=0, count=0, nan_count=0, inf_count=0,
                         zero_count=0, sum=0.0, sumsq=0.0, min=math.nan, max=math.nan,
-                        dtype=str(tensors[i].dtype).removeprefix("torch."), **metas[i])
+                        dtype=dtype_name(tensors[i].dtype), **metas[i])
                 if i in empty else next(got) for i in range(len(tensors))]
     out: list = [None] * len(tensors)
-    on_cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype == torch.float32] \
-        if kernel.available else []
-    devices: dict = {}  # a GPU's tensors, each device's read by the fused kernels at once
+    groups: dict = {}  # the CPU float32 tensors (None), read by the C kernel; each GPU's, by the fused kernels
     for i, t in enumerate(tensors):
-        if fused.usable(t, narrow=True):
-            devices.setdefault(t.device, []).append(i)
-    for group, reduce in [(on_cpu, lambda data: kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])),
-                          *((items, fused.totals) for items in devices.values())]:
+        if t.is_cpu and t.dtype is torch.float32 and kernel.available:
+            groups.setdefault(None, []).append(i)
+        elif fused.usable(t, narrow=True):
+            groups.setdefault(t.device, []).append(i)
+    for device, group in groups.items():
         data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in group)]
-        if group and (totals := reduce(data)) is not None:  # None: the fused kernels failed (torch kernels below)
-            shaped = [dict(metas[i], shape=tuple(tensors[i].shape), unit_axis=0 if tensors[i].ndim else None,
-                           dtype=str(tensors[i].dtype).removeprefix("torch.")) for i in group]
-            for i, r in zip(group, Reading.from_totals(totals, shaped, scale)):
+        totals = fused.totals(data) if device is not None else \
+            kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])
+        if totals is not None:  # None: the fused kernels failed (torch kernels below)
+            got = Reading.from_totals(totals, [data[k].shape for k in range(len(group))],
+                                      [dtype_name(t.dtype) for t in data], [metas[i] for i in group], scale)
+            for i, r in zip(group, got):
                 out[i] = r
     rest = [i for i in range(len(tensors)) if out[i] is None]
     pending = [reduce_tensor(tensors[i] / scale if scale != 1.0 else tensors[i], 0 if tensors[i].ndim else None,
