@@ -441,12 +441,16 @@ def _tricky_scores(case: str) -> torch.Tensor:
     elif case == "long":  # 300 keys: whole vectors of the kernel's lanes and a tail, a key masked in one head
         x = torch.randn(2, 3, 5, 300, generator=g) * 6
         x[0, 1, :, 17] = torch.finfo(torch.float32).min
+    elif case == "threads":  # enough scores to be shared among threads, 111 queries: runs of them and a rest
+        x = torch.randn(3, 4, 37, 160, generator=g) * 6
+        x[2, 3, :, 5] = torch.finfo(torch.float32).min
+        x[1, 0, 36, 7] = math.nan
     return x
 
 
 @pytest.mark.parametrize("where", ["c-kernel", "torch-ops"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
-                                  "nan-masked-elsewhere", "large", "long"])
+                                  "nan-masked-elsewhere", "large", "long", "threads"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, causal, monkeypatch):
     """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
