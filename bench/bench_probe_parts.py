@@ -8,6 +8,8 @@ each case timed in turn round after round, as a paired median ratio to a plain `
                    then); a reading holds them in batches of `forward.HOLD` bytes where its trial
                    found that nothing changes them in place;
   - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
+  - kernel, batch: the same tensors in kernel batches of `forward.HOLD` bytes, as a reading takes
+                   the tensors it may hold: the reductions' own cost, the floor of a reading;
   - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
                    layer-level totals, the writer's buffer), and the same without histograms.
 (trace+kernel − trace) − kernel alone is what the reductions cost inside the forward beyond their
@@ -27,6 +29,7 @@ import torch
 
 from actrace.reduce import kernel
 from actrace.adapters.torch import Monitor
+from actrace.adapters.torch.forward import HOLD
 from bench_torch import MODELS, interleaved, paired
 
 
@@ -46,7 +49,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cols = ["trace", "trace+kernel", "trace, batch", "kernel alone", "reading", "no hist"]
+    cols = ["trace", "trace+kernel", "trace, batch", "kernel alone", "kernel, batch", "reading", "no hist"]
     print(f"paired medians of {args.repeat} rounds, ratio to a plain forward\n{'model':<14} {'forward ms':>10} "
           + " ".join(f"{c:>13}" for c in cols))
     for name, build in MODELS.items():
@@ -100,6 +103,16 @@ def main() -> None:
                 for x3, relu in kept:
                     kernel.reduce_f32(x3, 0.0, True, relu)
 
+            def kernel_batches():
+                batch, size = [], 0
+                for x3, relu in kept:
+                    batch.append((x3, 0.0, True, relu))
+                    size += x3.nbytes
+                    if size >= HOLD:
+                        kernel.reduce_many(batch)
+                        batch, size = [], 0
+                kernel.reduce_many(batch)
+
             def forward():
                 with torch.no_grad():
                     model(probe)
@@ -113,6 +126,7 @@ def main() -> None:
 
             times = interleaved({"forward": case(forward), "trace": case(traced(drop)),
                                  "trace+kernel": case(traced(reduce)), "kernel alone": case(alone),
+                                 "kernel, batch": case(kernel_batches),
                                  "trace, batch": case(batched),
                                  "reading": case(lambda: mon.probe_reading(next(steps))),
                                  "no hist": case(lambda: quiet.probe_reading(next(steps)))}, args.repeat, lambda: None)
