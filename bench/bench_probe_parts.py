@@ -8,8 +8,9 @@ each case timed in turn round after round, as a paired median ratio to a plain `
                    then); a reading holds them in batches of `forward.HOLD` bytes where its trial
                    found that nothing changes them in place;
   - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
-  - kernel, batch: the same tensors in kernel batches of `forward.HOLD` bytes, as a reading takes
-                   the tensors it may hold: the reductions' own cost, the floor of a reading;
+  - kernel, batch: the same kernel calls batched as a reading batches them: tensors held until
+                   `forward.HOLD` bytes have gathered, one whose pass gives a ReLU's reading too
+                   read at once with those held before it: the reductions' own cost, a reading's floor;
   - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
                    layer-level totals, the writer's buffer), and the same without histograms.
 (trace+kernel − trace) − kernel alone is what the reductions cost inside the forward beyond their
@@ -107,7 +108,7 @@ def main() -> None:
                 batch, size = [], 0
                 for x3, relu in kept:
                     batch.append((x3, 0.0, True, relu))
-                    size += x3.nbytes
+                    size += HOLD if relu else x3.nbytes  # a ReLU's source is never held (`forward.batchable`)
                     if size >= HOLD:
                         kernel.reduce_many(batch)
                         batch, size = [], 0

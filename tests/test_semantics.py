@@ -221,8 +221,9 @@ def test_a_reading_twice_in_one_batch_is_kept_once_and_said(tmp_path):
 
     first, second = (reduce_array(np.full((2, 3), v, np.float32), 1, "relu", layer="fc") for v in (1.0, 2.0))
     with actrace.Writer(tmp_path / "r.parquet", run="r") as w:
-        with pytest.warns(UserWarning, match="step 4 for activation of layer 'fc' was recorded already"):
+        with pytest.warns(UserWarning, match="step 4 for activation of layer 'fc' was recorded already") as said:
             w.record_many(4, [first, second])
+    assert said[0].filename == __file__  # said where the readings were handed over
     rows = actrace.read_table(tmp_path / "r.parquet").to_pylist()
     assert [(r["step"], r["sum"]) for r in rows] == [(4, 6.0)]
     assert validate(tmp_path / "r.parquet") == []

@@ -355,7 +355,7 @@ class Writer:
             why = ("was recorded already; the second reading is dropped" if repeat else
                    f"is not after step {last}, already recorded: steps must keep growing (epoch * steps_per_epoch + "
                    "i, not a count restarting each epoch); readings at such steps are dropped")
-            warnings.warn(f"actrace: {self.path}: step {step} for {what} {why} (said once)", stacklevel=4)
+            warnings.warn(f"actrace: {self.path}: step {step} for {what} {why} (said once)", stacklevel=3)
         return False
 
     def record_tensor(self, step: int, layer: str, x, *, stream: str, kind: str = "other",

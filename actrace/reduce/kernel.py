@@ -211,9 +211,9 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
     `TOTALS`. For the many small tensors of a per-step gradient reading, where building a job per
     tensor would cost more than reducing it, the job table and outputs are whole arrays, kept from
     one call to the next of the same sizes (each step's gradients have their parameters' sizes)."""
-    layout = getattr(_layouts, "last", None)
-    if layout is None or layout[0] != sizes:
-        layout = _layouts.last = (list(sizes), *_totals_layout(sizes))
+    key, layout = (_threads(), sizes), getattr(_layouts, "last", None)
+    if layout is None or layout[0] != key:  # the threads too: they say which buffers are cut in pieces
+        layout = _layouts.last = ((key[0], list(sizes)), *_totals_layout(sizes))
     _, table, jobs, f64, f32, i64, first = layout
     jobs["x"], jobs["done"] = addresses, 0
     f64.fill(0)
@@ -223,7 +223,7 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
     return dict(zip(TOTALS, (f64[:, 0], f64[:, 1], f32[:, 0], f32[:, 1], i64[:, 0], i64[:, 1], i64[:, -2], i64[:, -1])))
 
 
-_layouts = threading.local()  # `last`: this thread's (sizes, job table, outputs) of `reduce_totals`
+_layouts = threading.local()  # `last`: this thread's ((threads, sizes), job table, outputs) of `reduce_totals`
 
 
 def _totals_layout(sizes: list[int]) -> tuple:

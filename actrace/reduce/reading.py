@@ -104,10 +104,11 @@ class Reading:
     @classmethod
     def from_totals(cls, totals: dict[str, np.ndarray], shapes: list[tuple], dtypes: list[str], metas: list[dict],
                     scale: float = 1.0) -> list["Reading"]:
-        """Layer-level readings (unit axis 0, no per-unit columns) of many tensors at once, from arrays
-        of their whole-tensor statistics (`kernel.TOTALS`, one row per tensor), their shapes, dtypes
-        and `metas` (layer, kind, stream, param); the statistics of values that carry a factor `scale`
-        (a loss scaler's) are divided by it. A per-step gradient reading makes dozens of these."""
+        """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
+        tensors at once, from arrays of their whole-tensor statistics (`kernel.TOTALS`, one row per
+        tensor), their shapes, dtypes and `metas` (layer, kind, stream, param); the statistics of
+        values that carry a factor `scale` (a loss scaler's) are divided by it. A per-step gradient
+        reading makes dozens of these."""
         rows = zip(*(totals[k].tolist() for k in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero",
                                                   "nan_count", "inf_count")), shapes, dtypes, metas)
         return [cls(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
