@@ -4,17 +4,20 @@ each case timed in turn round after round, as a paired median ratio to a plain `
                    every read tensor handed to a sink that drops it;
   - trace+kernel:  the same, the sink running the fused C kernel on each tensor as a reading does
                    (histogram, per-unit sums, a following ReLU from the same pass), nothing else;
+  - trace+copy:    the same, the sink copying each of those tensors once instead: the cheapest
+                   pass over them inside the forward, what touching fresh outputs costs there;
   - trace, batch:  the same kernel passes as one batch after the forward (the tensors held until
                    then); a reading holds them in batches of `forward.HOLD` bytes where its trial
                    found that nothing changes them in place;
   - kernel alone:  those kernel calls on the same tensors kept from one forward, with no forward;
   - kernel, batch: the same kernel calls batched as a reading batches them: tensors held until
                    `forward.HOLD` bytes have gathered, one whose pass gives a ReLU's reading too
-                   read at once with those held before it: the reductions' own cost, a reading's floor;
+                   read at once with those held before it: the reductions' own cost;
   - reading:       `Monitor.probe_reading` (the above, plus Python bookkeeping: pending readings,
                    layer-level totals, the writer's buffer), and the same without histograms.
 (trace+kernel − trace) − kernel alone is what the reductions cost inside the forward beyond their
-own time; reading − (trace+kernel) is the Python around them.
+own time (trace+copy − trace: what any pass over those tensors costs there); trace+kernel is a
+reading's floor, reading − (trace+kernel) the Python around them.
 Run: .venv/bin/python bench/bench_probe_parts.py [--repeat N] [--models mlp cnn transformer]
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import statistics
 import tempfile
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from actrace.reduce import kernel
@@ -50,7 +54,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cols = ["trace", "trace+kernel", "trace, batch", "kernel alone", "kernel, batch", "reading", "no hist"]
+    cols = ["trace", "trace+kernel", "trace+copy", "trace, batch", "kernel alone", "kernel, batch", "reading",
+            "no hist"]
     print(f"paired medians of {args.repeat} rounds, ratio to a plain forward\n{'model':<14} {'forward ms':>10} "
           + " ".join(f"{c:>13}" for c in cols))
     for name, build in MODELS.items():
@@ -81,6 +86,11 @@ def main() -> None:
                 call = kernel_call(out)
                 if call is not None:
                     kernel.reduce_f32(call[0], 0.0, True, call[1])
+
+            def copy(out):
+                call = kernel_call(out)
+                if call is not None:
+                    np.copyto(np.empty_like(call[0]), call[0])
 
             def keep(out):
                 call = kernel_call(out)
@@ -126,8 +136,8 @@ def main() -> None:
                 return warm
 
             times = interleaved({"forward": case(forward), "trace": case(traced(drop)),
-                                 "trace+kernel": case(traced(reduce)), "kernel alone": case(alone),
-                                 "kernel, batch": case(kernel_batches),
+                                 "trace+kernel": case(traced(reduce)), "trace+copy": case(traced(copy)),
+                                 "kernel alone": case(alone), "kernel, batch": case(kernel_batches),
                                  "trace, batch": case(batched),
                                  "reading": case(lambda: mon.probe_reading(next(steps))),
                                  "no hist": case(lambda: quiet.probe_reading(next(steps)))}, args.repeat, lambda: None)
