@@ -211,9 +211,9 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
     `TOTALS`. For the many small tensors of a per-step gradient reading, where building a job per
     tensor would cost more than reducing it, the job table and outputs are whole arrays, kept from
     one call to the next of the same sizes (each step's gradients have their parameters' sizes)."""
-    key, layout = (_threads(), sizes), getattr(_layouts, "last", None)
+    key, layout = (_threads(), tuple(sizes)), getattr(_layouts, "last", None)
     if layout is None or layout[0] != key:  # the threads too: they say which buffers are cut in pieces
-        layout = _layouts.last = ((key[0], list(sizes)), *_totals_layout(sizes))
+        layout = _layouts.last = (key, *_totals_layout(*key))
     _, table, jobs, f64, f32, i64, first = layout
     jobs["x"], jobs["done"] = addresses, 0
     f64.fill(0)
@@ -226,11 +226,11 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarra
 _layouts = threading.local()  # `last`: this thread's ((threads, sizes), job table, outputs) of `reduce_totals`
 
 
-def _totals_layout(sizes: list[int]) -> tuple:
+def _totals_layout(threads: int, sizes: tuple[int, ...]) -> tuple:
     """`reduce_totals`' job table for buffers of these sizes, one unit each, a large one cut in a
     piece per thread, and its outputs (a row per piece: `first` is each buffer's first)."""
     sizes = np.asarray(sizes, np.int64)
-    pieces = np.where(sizes >= SPLIT, _threads(), 1).astype(np.int32)
+    pieces = np.where(sizes >= SPLIT, threads, 1).astype(np.int32)
     first = np.cumsum(pieces) - pieces
     rows, width = int(pieces.sum()), 3 + bins.N_BINS + 2
     f64, f32, i64 = np.zeros((rows, F64_ROWS)), np.empty((rows, 3), np.float32), np.zeros((rows, width), np.int64)

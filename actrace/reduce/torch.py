@@ -11,6 +11,7 @@ ranks. Values agree with `actrace.reduce.reference` (tests/test_contract.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass, field, fields
@@ -58,15 +59,10 @@ class Pending:
 _scratch = threading.local()  # per thread: reused buffers (scratch_like)
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """A torch dtype as the spec names it (`float32`), as numpy does."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-_DTYPE_NAMES: dict = {}
+    return str(dtype).removeprefix("torch.")
 
 
 def scratch_like(x: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
@@ -320,8 +316,8 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
         totals = fused.totals(data) if device is not None else \
             kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])
         if totals is not None:  # None: the fused kernels failed (torch kernels below)
-            got = Reading.from_totals(totals, [data[k].shape for k in range(len(group))],
-                                      [dtype_name(t.dtype) for t in data], [metas[i] for i in group], scale)
+            got = Reading.from_totals(totals, [t.shape for t in data], [dtype_name(t.dtype) for t in data],
+                                      [metas[i] for i in group], scale)
             for i, r in zip(group, got):
                 out[i] = r
     rest = [i for i in range(len(tensors)) if out[i] is None]
