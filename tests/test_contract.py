@@ -450,17 +450,19 @@ def test_whole_tensor_totals_of_buffers_of_sizes_read_before_are_this_call_s_own
     sizes = [7, kernel.SPLIT + 3, 1, 300]  # one cut among threads
 
     def check(arrays, got):
-        for i, x in enumerate(arrays):
-            finite = x[np.isfinite(x)]
-            assert got["unit_sum"][i] == pytest.approx(finite.astype(np.float64).sum(), rel=1e-6, abs=1e-9)
-            assert (got["unit_min"][i], got["unit_max"][i]) == (finite.min(), finite.max())
-            assert (got["unit_zero"][i], got["nan_count"][i], got["inf_count"][i]) == \
+        for x, row in zip(arrays, got, strict=True):
+            finite = x[np.isfinite(x)].astype(np.float64)
+            t = dict(zip(kernel.TOTALS, row, strict=True))
+            for k, name in enumerate(("sum", "sumsq", "sum3", "sum4"), 1):  # to the spec's bound on float sums
+                assert abs(t[name] - (finite ** k).sum()) <= 64 * 2 ** -24 * (np.abs(finite) ** k).sum()
+            assert (t["min"], t["max"]) == (finite.min(), finite.max())
+            assert (t["zero_count"], t["nan_count"], t["inf_count"]) == \
                 ((finite == 0).sum(), np.isnan(x).sum(), np.isinf(x).sum())
 
     calls = []
     for n in range(3):
         arrays = [rng.standard_normal(size).astype(np.float32) * (n + 1) for size in sizes]
-        arrays[0][n] = [np.nan, np.inf, 0.0][n]
+        arrays[0][n] = arrays[1][-1 - n] = [np.nan, np.inf, 0.0][n]  # the second in the last thread's piece
         if n == 2:  # the second call reused the first's layout; a call of other sizes before the third
             between = np.ones(5, np.float32)
             kernel.reduce_totals([between.ctypes.data], [5])

@@ -18,6 +18,7 @@
 #define RUN 512      /* values of one unit summed in float lanes (64 a lane) before double takes them */
 #define MAX_BINS 160 /* at least the spec's 141 */
 #define F64_ROWS 8   /* double outputs per unit: sum, sumsq, rsum, rsumsq, cube, quart, rcube, rquart */
+#define TOTALS 9     /* a job's whole-tensor totals: sum, sumsq, cube, quart, min, max, zeros, NaN, inf */
 #define KEY_SHIFT 14 /* key = float32 bits >> KEY_SHIFT: 2^18 keys, a 256 KiB table of bins */
 #define EXACT 255    /* a key whose values take the exact path (a byte: the table stays small in cache) */
 #define CARRY (256 - MAX_BINS) /* bin + CARRY reaches 256 (bit 8) for EXACT only: one test for four bins */
@@ -334,11 +335,10 @@ typedef struct { /* one tensor's reduction, cut into `pieces` along `before` (or
     float centre;
     int32_t pieces, relu, hist;
     int32_t done;     /* pieces finished: the last one merges the rows into row 0 */
-    double *f64;      /* per piece: sum, sumsq, rsum, rsumsq, cube, quart, rcube, rquart (each `units` long),
-                       * zeroed by the caller */
+    double *f64;      /* per piece: sum, sumsq, rsum, rsumsq, cube, quart, rcube, rquart (each `units` long) */
     float *f32;       /* per piece: min, max, min |x - centre| */
-    int64_t *i64;     /* per piece: zero, finite, rzero, then hist (n_bins) and nan, inf; zeroed */
-    double *totals;   /* or NULL: the whole tensor's sum, sumsq, cube and fourth-power sums, min, max, zeros */
+    int64_t *i64;     /* per piece: zero, finite, rzero, then hist (n_bins, untouched without it) and nan, inf */
+    double *totals;   /* or NULL: the whole tensor's TOTALS */
 } Job;
 
 typedef struct { Bins bins; Job *jobs; int64_t n, next; } Batch;
@@ -356,10 +356,12 @@ CLONED static void reduce_piece(const Bins *b, const Job *j, int64_t k) {
     float *f = j->f32 + 3 * units * k;
     int64_t *i = j->i64 + wide * k, *hist = j->hist ? i + 3 * units : NULL, *nan_inf = i + wide - 2;
     for (int64_t u = 0; u < units; u++) { f[u] = INFINITY; f[units + u] = -INFINITY; f[2 * units + u] = INFINITY; }
+    memset(d, 0, sizeof *d * F64_ROWS * units); /* the row is this piece's own: the caller need not zero it */
+    memset(i, 0, sizeof *i * 3 * units);
     Out o = {d, d + units, d + 2 * units, d + 3 * units, f, f + units, f + 2 * units, i, i + units, i + 2 * units,
              d + 4 * units, d + 5 * units, d + 6 * units, d + 7 * units};
     int64_t part[4][MAX_BINS];
-    memset(part, 0, sizeof part);
+    if (hist) memset(part, 0, sizeof part); /* 5 KiB: untouched without a histogram */
     Hist h = {b, part, hist != NULL, 0};
     int64_t total = before * units * after, fin_total = 0, nan;
     if (after == 1 && j->relu) {
@@ -396,12 +398,13 @@ static void merge_rows(const Bins *b, Job *j) {
             j->f32[units + u] = fmaxf(j->f32[units + u], f[units + u]);
             j->f32[2 * units + u] = fminf(j->f32[2 * units + u], f[2 * units + u]);
         }
-        for (int64_t u = 0; u < wide; u++) j->i64[u] += i[u];
+        for (int64_t u = 0; u < wide; u++) /* without a histogram, its bins hold what they held */
+            if (j->hist || u < 3 * units || u >= wide - 2) j->i64[u] += i[u];
     }
     for (int64_t u = 0; u < units; u++)
         if (j->i64[units + u] == 0) j->f32[u] = j->f32[units + u] = j->f32[2 * units + u] = NAN;
     if (j->totals) { /* the layer's totals, so the caller need not reduce every column again */
-        double t[7] = {0, 0, 0, 0, NAN, NAN, 0};
+        double t[TOTALS] = {0, 0, 0, 0, NAN, NAN, 0, (double)j->i64[wide - 2], (double)j->i64[wide - 1]};
         for (int64_t u = 0; u < units; u++) {
             t[0] += j->f64[u]; t[1] += j->f64[units + u]; t[2] += j->f64[4 * units + u]; t[3] += j->f64[5 * units + u];
             t[4] = fmin(t[4], j->f32[u]); t[5] = fmax(t[5], j->f32[units + u]); /* a unit's NaN is passed over */
@@ -551,7 +554,7 @@ void actrace_scores(void *data) {
 /* What kernel.py's ctypes mirror must match, checked there at import: the constants, then the size
  * and field offsets of Bins, Job and Batch in declaration order. */
 static const int64_t layout[] = {
-    KEY_SHIFT, EXACT, MAX_BINS, F64_ROWS,
+    KEY_SHIFT, EXACT, MAX_BINS, F64_ROWS, TOTALS,
     sizeof(Bins), offsetof(Bins, key_bin), offsetof(Bins, edges), offsetof(Bins, n_edges), offsetof(Bins, zero_bin),
     offsetof(Bins, n_bins),
     sizeof(Job), offsetof(Job, x), offsetof(Job, before), offsetof(Job, units), offsetof(Job, after),

@@ -270,10 +270,11 @@ _CHUNK = 1 << 16  # the values of one tensor a `_totals_kernel` program reads at
 
 
 @_fallible
-def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
-    """`kernel.reduce_totals`' statistics (`kernel.TOTALS`) of many floating tensors on one GPU, as a
-    per-step gradient reading takes them: one launch per dtype over every tensor of it (a table of
-    their addresses, cut in chunks: one program each) and one transfer, the chunks added on the host."""
+def totals(tensors: list[torch.Tensor]) -> list[list[float]] | None:
+    """`kernel.reduce_totals`' statistics (a row of `kernel.TOTALS` each) of many floating tensors on
+    one GPU, as a per-step gradient reading takes them: one launch per dtype over every tensor of it
+    (a table of their addresses, cut in chunks: one program each) and one transfer, the chunks added
+    on the host."""
     pieces = [_cdiv(t.numel(), _CHUNK) for t in tensors]
     order = sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype))  # a launch per dtype
     first, rows, n = {}, [], 0
@@ -304,7 +305,7 @@ def totals(tensors: list[torch.Tensor]) -> dict[str, np.ndarray] | None:
     add, lo, hi = add[back], lo[back], hi[back]
     none = np.isinf(lo)  # a tensor with no finite value: NaN extremes
     lo, hi = np.where(none, np.nan, lo), np.where(none, np.nan, hi)
-    sizes = np.array([t.numel() for t in tensors], np.int64)
-    count, zeros, nans = (add[:, k].astype(np.int64) for k in (4, 5, 6))
-    return dict(unit_sum=add[:, 0], unit_sumsq=add[:, 1], unit_min=lo, unit_max=hi, unit_zero=zeros,
-                unit_count=count, nan_count=nans, inf_count=sizes - count - nans)
+    sizes = np.array([t.numel() for t in tensors], np.float64)
+    count, zeros, nans = add[:, 4], add[:, 5], add[:, 6]
+    unknown = np.full(len(tensors), np.nan)  # sum3, sum4: not read per step
+    return np.column_stack([add[:, 0], add[:, 1], unknown, unknown, lo, hi, zeros, nans, sizes - count - nans]).tolist()

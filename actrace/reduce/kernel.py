@@ -47,11 +47,12 @@ class LayoutError(ImportError):
 
 
 F64_ROWS = 8  # double outputs per unit: sum, sumsq, relu's sum, sumsq, cubes, fourth powers, relu's cubes, fourth
+TOTALS = ("sum", "sumsq", "sum3", "sum4", "min", "max", "zero_count", "nan_count", "inf_count")  # a job's, whole tensor
 
 
 def _load():
     """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking its
-    F64_ROWS and that the C structs are laid out as the ctypes ones here; None when it is not built."""
+    F64_ROWS and TOTALS and that the C structs are laid out as the ctypes ones here; None when it is not built."""
     spec = importlib.util.find_spec("actrace.reduce._kernel")
     if spec is None or not spec.origin:
         return None
@@ -62,9 +63,9 @@ def _load():
     mirror = []
     for struct in (_Bins, _Job, _Batch, _Scores):
         mirror += [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
-    if got[4:] != mirror or got[3] != F64_ROWS:
+    if got[5:] != mirror or got[3:5] != [F64_ROWS, len(TOTALS)]:
         raise LayoutError(f"{spec.origin}: the kernel's struct layout {got[3:]} is not kernel.py's "
-                          f"{[F64_ROWS, *mirror]}; rebuild it (pip install -e .)")
+                          f"{[F64_ROWS, len(TOTALS), *mirror]}; rebuild it (pip install -e .)")
     shift, exact, max_bins = got[:3]
     if bins.N_BINS > max_bins or exact < max_bins:
         raise LayoutError(f"{spec.origin}: built for {max_bins} bins (EXACT {exact}), the spec has {bins.N_BINS}")
@@ -127,21 +128,21 @@ def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: in
     before, units, after = x3.shape
     cut = x3.size >= SPLIT and (before >= threads or (before, units) == (1, 1))
     pieces = threads if cut else 1
-    # the outputs in one zeroed allocation (one call instead of three: this runs per tensor read),
-    # the tensor's 7 totals (`reduce_many`) first
-    n64, nint = pieces * F64_ROWS * units, pieces * (3 * units + bins.N_BINS + 2)
-    block = np.zeros(8 * (7 + n64 + nint) + 4 * pieces * 3 * units, np.uint8)
+    # the outputs in one allocation (one call instead of three: this runs per tensor read), the
+    # tensor's TOTALS (`reduce_many`) first; the kernel sets every value it gives, so none is zeroed
+    t, n64, nint = len(TOTALS), pieces * F64_ROWS * units, pieces * (3 * units + bins.N_BINS + 2)
+    block = np.empty(8 * (t + n64 + nint) + 4 * pieces * 3 * units, np.uint8)
     at = _address(block)
-    f64 = block[56: 8 * (7 + n64)].view(np.float64).reshape(pieces, F64_ROWS, units)
-    i64 = block[8 * (7 + n64): 8 * (7 + n64 + nint)].view(np.int64).reshape(pieces, -1)
-    f32 = block[8 * (7 + n64 + nint):].view(np.float32).reshape(pieces, 3, units)
+    f64 = block[8 * t: 8 * (t + n64)].view(np.float64).reshape(pieces, F64_ROWS, units)
+    i64 = block[8 * (t + n64): 8 * (t + n64 + nint)].view(np.int64).reshape(pieces, -1)
+    f32 = block[8 * (t + n64 + nint):].view(np.float32).reshape(pieces, 3, units)
     job = _Job(_address(x3), before, units, after, centre, pieces, relu, histogram, 0,
-               at + 56, at + 8 * (7 + n64 + nint), at + 8 * (7 + n64), at)
+               at + 8 * t, at + 8 * (t + n64 + nint), at + 8 * (t + n64), at)
     (d, f, i) = (f64[0], f32[0], i64[0])
     out = {"unit_sum": d[0], "unit_sumsq": d[1], "unit_min": f[0], "unit_max": f[1], "unit_min_dev": f[2],
            "unit_zero": i[:units], "unit_count": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None,
            "nan_count": i[-2:-1], "inf_count": i[-1:], "unit_sum3": d[4], "unit_sum4": d[5],
-           "totals": block[:56].view(np.float64),
+           "totals": block[:8 * t].view(np.float64),
            "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units], "unit_sum3": d[6],
                     "unit_sum4": d[7]} if relu else None}
     return job, out
@@ -191,7 +192,7 @@ def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
     """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
     and large tensors cut in pieces, are shared among the threads. Each result also holds `totals`:
-    the tensor's sum, sum of squares, of cubes and of fourth powers, min, max and zeros."""
+    the tensor's `TOTALS`."""
     if not tasks:
         return []
     threads = _threads()
@@ -201,26 +202,22 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
     return [out for _, out in made]
 
 
-TOTALS = ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero", "unit_count", "nan_count", "inf_count")
 _JOBS = np.dtype(_Job)  # a job table built column by column, as numpy arrays
 
 
-def reduce_totals(addresses: list[int], sizes: list[int]) -> dict[str, np.ndarray]:
+def reduce_totals(addresses: list[int], sizes: list[int]) -> list[list[float]]:
     """Whole-tensor statistics (one unit, no histogram) of many C-contiguous float32 buffers (their
-    data addresses and lengths; the caller keeps them alive) in one batch: per buffer, each of
-    `TOTALS`. For the many small tensors of a per-step gradient reading, where building a job per
-    tensor would cost more than reducing it, the job table and outputs are whole arrays, kept from
-    one call to the next of the same sizes (each step's gradients have their parameters' sizes)."""
+    data addresses and lengths; the caller keeps them alive) in one batch: per buffer, its `TOTALS`.
+    For the many small tensors of a per-step gradient reading, where building a job per tensor
+    would cost more than reducing it, the job table and outputs are whole arrays, kept from one call
+    to the next of the same sizes (each step's gradients have their parameters' sizes)."""
     key, layout = (_threads(), tuple(sizes)), getattr(_layouts, "last", None)
     if layout is None or layout[0] != key:  # the threads too: they say which buffers are cut in pieces
         layout = _layouts.last = (key, *_totals_layout(*key))
-    _, table, jobs, f64, f32, i64, first = layout
+    _, table, jobs, pieces, totals, _scratch = layout
     jobs["x"], jobs["done"] = addresses, 0
-    f64.fill(0)
-    i64.fill(0)
-    _dispatch(_address(table), len(sizes), int(jobs["pieces"].sum()), sum(sizes))
-    f64, f32, i64 = f64[first], f32[first], i64[first]
-    return dict(zip(TOTALS, (f64[:, 0], f64[:, 1], f32[:, 0], f32[:, 1], i64[:, 0], i64[:, 1], i64[:, -2], i64[:, -1])))
+    _dispatch(_address(table), len(sizes), pieces, sum(sizes))
+    return totals.tolist()
 
 
 _layouts = threading.local()  # `last`: this thread's ((threads, sizes), job table, outputs) of `reduce_totals`
@@ -228,18 +225,20 @@ _layouts = threading.local()  # `last`: this thread's ((threads, sizes), job tab
 
 def _totals_layout(threads: int, sizes: tuple[int, ...]) -> tuple:
     """`reduce_totals`' job table for buffers of these sizes, one unit each, a large one cut in a
-    piece per thread, and its outputs (a row per piece: `first` is each buffer's first)."""
+    piece per thread; its pieces; the buffers' TOTALS it fills (a row each); and the pieces' rows of
+    per-unit outputs (which the kernel sets before it adds to them, as it merges them)."""
     sizes = np.asarray(sizes, np.int64)
     pieces = np.where(sizes >= SPLIT, threads, 1).astype(np.int32)
     first = np.cumsum(pieces) - pieces
     rows, width = int(pieces.sum()), 3 + bins.N_BINS + 2
-    f64, f32, i64 = np.zeros((rows, F64_ROWS)), np.empty((rows, 3), np.float32), np.zeros((rows, width), np.int64)
+    f64, f32, i64 = np.empty((rows, F64_ROWS)), np.empty((rows, 3), np.float32), np.empty((rows, width), np.int64)
+    totals = np.empty((len(sizes), len(TOTALS)))
     table = np.zeros(len(sizes) * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
     jobs = table.view(_JOBS)
     jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = 1, 1, sizes, pieces
     jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
-    jobs["i64"] = _address(i64) + 8 * width * first
-    return table, jobs, f64, f32, i64, first
+    jobs["i64"], jobs["totals"] = _address(i64) + 8 * width * first, _address(totals) + totals.strides[0] * np.arange(len(sizes))
+    return table, jobs, rows, totals, (f64, f32, i64)
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

@@ -74,13 +74,13 @@ class Reading:
                    **meta) -> "Reading":
         """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
         `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
-        totals follow from them (spec §Columns), or are given as `totals` (the kernel's: sum, sumsq,
-        sum3, sum4, min, max, zeros). Without `per_unit` only the totals are kept. Float64 extremes
-        are rounded outward to float32, so a nonzero value never becomes 0."""
+        totals follow from them (spec §Columns), or are given as `totals` (the kernel's `TOTALS`).
+        Without `per_unit` only the totals are kept. Float64 extremes are rounded outward to float32,
+        so a nonzero value never becomes 0."""
         v = {k: x if type(x) is np.ndarray else np.asarray(x) for k, x in stats.items() if x is not None}
         given = v.pop("totals", None)
         if given is not None:
-            total, squares, sum3, sum4, lo, hi, zeros = given.tolist()
+            total, squares, sum3, sum4, lo, hi, zeros, _, _ = given.tolist()
         else:  # units with no finite value hold NaN extremes, which fmin/fmax pass over
             total, squares, zeros = float(_add(v["unit_sum"])), float(_add(v["unit_sumsq"])), _add(v["unit_zero"])
             lo, hi = float(np.fmin.reduce(v["unit_min"], axis=None)), float(np.fmax.reduce(v["unit_max"], axis=None))
@@ -102,19 +102,19 @@ class Reading:
         return r
 
     @classmethod
-    def from_totals(cls, totals: dict[str, np.ndarray], shapes: list[tuple], dtypes: list[str], metas: list[dict],
+    def from_totals(cls, totals: list[list[float]], shapes: list[tuple], dtypes: list[str], metas: list[dict],
                     scale: float = 1.0) -> list["Reading"]:
         """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
-        tensors at once, from arrays of their whole-tensor statistics (`kernel.TOTALS`, one row per
-        tensor), their shapes, dtypes and `metas` (layer, kind, stream, param); the statistics of
-        values that carry a factor `scale` (a loss scaler's) are divided by it. A per-step gradient
-        reading makes dozens of these."""
-        rows = zip(*(totals[k].tolist() for k in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_zero",
-                                                  "nan_count", "inf_count")), shapes, dtypes, metas)
+        tensors at once, from their whole-tensor statistics (a row of `kernel.TOTALS` each), their
+        shapes, dtypes and `metas` (layer, kind, stream, param); the statistics of values that carry
+        a factor `scale` (a loss scaler's) are divided by it. A per-step gradient reading makes
+        dozens of these."""
         return [cls(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
-                    count=math.prod(shape), dtype=dtype, nan_count=nans, inf_count=infs, zero_count=zeros,
-                    sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale, max=hi / scale, **meta)
-                for total, squares, lo, hi, zeros, nans, infs, shape, dtype, meta in rows]
+                    count=math.prod(shape), dtype=dtype, nan_count=int(nans), inf_count=int(infs),
+                    zero_count=int(zeros), sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale,
+                    max=hi / scale, **meta)
+                for (total, squares, _, _, lo, hi, zeros, nans, infs), shape, dtype, meta
+                in zip(totals, shapes, dtypes, metas)]
 
 
 def centre(bounds: tuple[float, float] | None) -> float:
