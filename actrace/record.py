@@ -93,6 +93,13 @@ class Recorder:
         self.writer.record_many(step, readings, layer_indexes=[self.order(r.layer) for r in readings], **kw)
         return len(readings)
 
+    def write_totals(self, step: int, batch, mode: str | None = None) -> int:
+        """Record a `LayerTotals` taken at `step` (a per-step gradient reading's parameters)."""
+        if self.writer is None:
+            return 0
+        self.writer.record_totals(step, batch, layer_indexes=[self.order(m["layer"]) for m in batch.metas], mode=mode)
+        return len(batch.totals)
+
     def log(self, step: int, loss=None, lr=None, **scalars) -> None:
         """Record the training loop's values at `step` (`loss`, `lr`, any other name), so findings are
         read against the loss (spec §Streams, `scalar`)."""

@@ -217,3 +217,53 @@ def test_buffered_readings_are_left_alone_by_the_cyclic_collector(tmp_path):
     rows = actrace.read_table(tmp_path / "g.parquet").to_pylist()
     assert len(rows) == 9 and {r["stream"] for r in rows} == {"activation", "param_grad", "scalar"}
     assert all(r["bound_lo"] == -1.0 for r in rows if r["kind"] == "tanh") and validate(tmp_path / "g.parquet") == []
+
+
+def test_layer_totals_are_written_as_their_readings_would_be(tmp_path):
+    """`record_totals` makes a per-step gradient reading's rows straight from its totals, with rows
+    kept from the step before: the same trace as `record_many` of the batch's readings, through a
+    loss scale, a NaN and an inf, a 0-d tensor, a tensor missing at one step (rows made anew), a
+    name the spec escapes, and a step that does not grow (dropped and said)."""
+    from actrace.reduce.reading import LayerTotals
+
+    rng = np.random.default_rng(0)
+    names = ["conv.weight", "bn\u202e", "head"]
+    every = [dict(layer=n, kind="linear", stream="param_grad", param="weight") for n in names]
+
+    def totals(x):
+        f = x[np.isfinite(x)].astype(np.float64)
+        return [f.sum(), (f ** 2).sum(), (f ** 3).sum(), (f ** 4).sum(), f.min(), f.max(), float((f == 0).sum()),
+                float(np.isnan(x).sum()), float(np.isinf(x).sum())]
+
+    batches = []
+    for step, kept, scale in [(0, [0, 1, 2], 1.0), (1, [0, 1, 2], 1024.0), (2, [0, 2], 1.0), (2, [0, 1, 2], 1.0),
+                              (3, [0, 1, 2], 8.0)]:
+        arrays = [rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(7,)).astype(np.float32),
+                  np.float32(rng.normal(size=()))]
+        if step == 1:
+            arrays[1][[2, 4]] = [np.nan, -np.inf]
+        batches.append((step, LayerTotals([totals(arrays[i]) for i in kept], [arrays[i].shape for i in kept],
+                                          ["float32"] * len(kept), every if len(kept) == 3 else [every[i] for i in kept],
+                                          scale)))
+    tables = []
+    for way in ("totals", "readings"):
+        with actrace.Writer(tmp_path / f"{way}.parquet", run="r", mode="train") as w, \
+                pytest.warns(UserWarning, match="step 2 for param_grad of layer 'conv.weight'.* recorded already"), \
+                pytest.warns(UserWarning, match="name 'bn.*escaped"):
+            for step, batch in batches:
+                indexes = [{"conv.weight": 3, "bn\u202e": 1, "head": 2}[m["layer"]] for m in batch.metas]
+                if way == "totals":
+                    w.record_totals(step, batch, layer_indexes=indexes, mode="skipped" if step == 1 else None)
+                else:
+                    w.record_many(step, batch.readings(), layer_indexes=indexes, mode="skipped" if step == 1 else None)
+        tables.append(actrace.read_table(tmp_path / f"{way}.parquet").drop_columns("wall_time"))
+        assert validate(tmp_path / f"{way}.parquet") == []
+    by_totals, by_readings = tables
+    assert by_totals.equals(by_readings)
+    rows = by_totals.to_pylist()
+    assert len(rows) == 3 + 3 + 2 + 1 + 3 and rows[7]["layer"] == "head"  # step 2 again: only the new one kept
+    assert rows[8]["layer"] == rows[1]["layer"] and rows[8]["step"] == 2
+    assert rows[3]["mode"] == "skipped" and rows[1]["layer"] != names[1]
+    assert (rows[4]["nan_count"], rows[4]["inf_count"], rows[4]["count"]) == (1, 1, 7)
+    assert rows[3]["sumsq"] == pytest.approx(batches[1][1].totals[0][1] / 1024 ** 2)
+    assert (rows[2]["shape"], rows[2]["unit_axis"], rows[2]["units"]) == ([], None, 1)

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 
 from actrace.reduce import Reading
+from actrace.reduce.reading import LAYER_VALUES, LayerTotals, layer_values
 from actrace.format.schema import SCHEMA, UNIT_COLUMNS, canonical_kind
 
 _SCALARS = ("layer", "stream", "param", "dtype", "unit_axis", "units", "count", "nan_count",
@@ -45,6 +46,40 @@ def row(reading: Reading, run: str, step: int, layer_index: int, mode: str | Non
     lo, hi = (None, None) if reading.bounds is None else reading.bounds
     return (run, step, layer_index, mode, probe_fingerprint, wall_time, kind, tuple(reading.shape), lo, hi) + \
         _scalars(reading) + _lists(reading)
+
+
+_VALUES = _COLUMNS.index(LAYER_VALUES[0])  # where a layer-level reading's values lie in a row
+assert _COLUMNS[_VALUES: _VALUES + len(LAYER_VALUES)] == LAYER_VALUES and len(_CONTEXT) == 6
+
+
+class LayerRows:
+    """The rows of layer-level readings of fixed tensors (a per-step gradient reading's parameters)
+    made from each step's `LayerTotals` of them: every column but the step, mode, wall time and
+    values taken once from a `row` of each tensor's reading (`readings`, named as the writer records
+    them; the probe fingerprint as given then), so a step makes a tuple per tensor and no Reading."""
+
+    def __init__(self, batch: LayerTotals, readings: list[Reading], run: str, layer_indexes: list[int],
+                 probe_fingerprints: list[str | None]):
+        made = [row(r, run, 0, i, None, f, 0.0) for r, i, f in zip(readings, layer_indexes, probe_fingerprints)]
+        self.batch, self.layer_indexes = batch, layer_indexes
+        self.keys = [(r.layer, r.stream, r.param) for r in readings]
+        self.streams = {r.stream for r in readings}
+        self._fixed = [(m[0], m[2], m[4], m[len(_CONTEXT): _VALUES], m[_VALUES + len(LAYER_VALUES):]) for m in made]
+
+    def fits(self, batch: LayerTotals, layer_indexes: list[int]) -> bool:
+        """Whether `batch` is of the tensors these rows were made for."""
+        b = self.batch
+        return (b.metas is batch.metas or b.metas == batch.metas) and b.shapes == batch.shapes and \
+            b.dtypes == batch.dtypes and self.layer_indexes == layer_indexes
+
+    def rows(self, batch: LayerTotals, step: int, mode: str | None, wall_time: float, kept: list[int]) -> list[tuple]:
+        """The `row`s of the readings `kept` (their positions) of this step's `batch`."""
+        out = []
+        for i in kept:
+            run, index, fingerprint, head, tail = self._fixed[i]
+            out.append((run, step, index, mode, fingerprint, wall_time) + head +
+                       layer_values(batch.totals[i], batch.scale) + tail)
+        return out
 
 
 def rows_to_table(rows: list[tuple]) -> pa.Table:

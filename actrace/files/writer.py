@@ -25,10 +25,11 @@ import pyarrow.parquet as pq
 
 from actrace.format import metadata
 from actrace.reduce import Reading, ReductionError, reduce_array
+from actrace.reduce.reading import LayerTotals
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
 from actrace.files.lake import lake_run
 from actrace.files.location import location, remote, remove
-from actrace.files.table import row, rows_to_table
+from actrace.files.table import LayerRows, row, rows_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
@@ -249,6 +250,7 @@ class Writer:
                                   adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
                                   probe_size=probe_size, mode=mode, aliases=aliases)
         self._rows: list[tuple] = []  # `table.row`s
+        self._layer_rows: LayerRows | None = None  # `record_totals`' rows, made for the last batch's tensors
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
         self._last_step: dict[tuple[str, str, str | None], int] = {}
@@ -301,11 +303,7 @@ class Writer:
                     probe_fingerprint: str | None = None, layer_indexes: list[int] | None = None) -> None:
         """Buffer readings taken together at `step` (one probe or gradient reading of a model);
         `layer_indexes`: each one's depth, else the order layers were first recorded."""
-        if self.closed:
-            raise RuntimeError(f"{self.path}: writer is closed")
-        if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
-            raise Terminated()
-        step, mode, wall_time = int(step), mode or self.mode, time.time()
+        step, mode, wall_time = self._stamp(step, mode)
         fingerprint = probe_fingerprint or self.probe_fingerprint
         for i, reading in enumerate(readings):
             reading = self._named(reading)
@@ -314,11 +312,46 @@ class Writer:
                 continue
             index = self._layer_index.setdefault(reading.layer, len(self._layer_index)) if layer_indexes is None \
                 else layer_indexes[i]
-            buffered = row(reading, self.run, step, int(index), mode, fingerprint if  # its values as they are now
-                           reading.stream in ("activation", "activation_grad") else None, wall_time)
+            buffered = row(reading, self.run, step, int(index), mode, self._fingerprint(reading.stream, fingerprint),
+                           wall_time)  # its values as they are now
             self._last_step[key] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
             self._rows.append(buffered)
+        self._flush_if_due()
+
+    def record_totals(self, step: int, batch: LayerTotals, *, layer_indexes: list[int],
+                      mode: str | None = None) -> None:
+        """`record_many` of `batch.readings()` (a per-step gradient reading's parameters), whose rows
+        are made from the batch's totals by `LayerRows` kept for the next batch of the same tensors."""
+        step, mode, wall_time = self._stamp(step, mode)
+        rows = self._layer_rows
+        if rows is None or not rows.fits(batch, layer_indexes):
+            readings = list(map(self._named, batch.readings()))  # no frame between: warnings name the caller
+            rows = self._layer_rows = LayerRows(batch, readings, self.run, layer_indexes, [
+                self._fingerprint(r.stream, self.probe_fingerprint) for r in readings])
+        kept = []
+        for i, key in enumerate(rows.keys):
+            if self._grows(step, key):
+                self._last_step[key] = step
+                kept.append(i)
+        self.streams |= rows.streams
+        self._rows += rows.rows(batch, step, mode, wall_time, kept)
+        self._flush_if_due()
+
+    def _stamp(self, step: int, mode: str | None) -> tuple[int, str | None, float]:
+        """A recording's step, mode and wall time, once the writer may still take it."""
+        if self.closed:
+            raise RuntimeError(f"{self.path}: writer is closed")
+        if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
+            raise Terminated()
+        return int(step), mode or self.mode, time.time()
+
+    @staticmethod
+    def _fingerprint(stream: str, fingerprint: str | None) -> str | None:
+        """The probe fingerprint a row of this stream carries: a probe's streams only."""
+        return fingerprint if stream in ("activation", "activation_grad") else None
+
+    def _flush_if_due(self) -> None:
         due = time.monotonic() - self._last_flush >= self.flush_seconds
         if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
             self.flush()

@@ -101,20 +101,41 @@ class Reading:
                 setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype, copy=False))
         return r
 
-    @classmethod
-    def from_totals(cls, totals: list[list[float]], shapes: list[tuple], dtypes: list[str], metas: list[dict],
-                    scale: float = 1.0) -> list["Reading"]:
-        """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
-        tensors at once, from their whole-tensor statistics (a row of `kernel.TOTALS` each), their
-        shapes, dtypes and `metas` (layer, kind, stream, param); the statistics of values that carry
-        a factor `scale` (a loss scaler's) are divided by it. A per-step gradient reading makes
-        dozens of these."""
-        return [cls(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
-                    count=math.prod(shape), dtype=dtype, nan_count=int(nans), inf_count=int(infs),
-                    zero_count=int(zeros), sum=total / scale, sumsq=squares / scale ** 2, min=lo / scale,
-                    max=hi / scale, **meta)
-                for (total, squares, _, _, lo, hi, zeros, nans, infs), shape, dtype, meta
-                in zip(totals, shapes, dtypes, metas)]
+
+LAYER_VALUES = ("nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max")  # what a step gives a layer-level reading
+
+
+def layer_values(totals: list[float], scale: float = 1.0) -> tuple:
+    """A tensor's TOTALS row (`kernel.TOTALS`) as a layer-level reading's `LAYER_VALUES`, those of
+    values that carry a factor `scale` (a loss scaler's) with it divided out."""
+    total, squares, _, _, lo, hi, zeros, nans, infs = totals
+    return int(nans), int(infs), int(zeros), total / scale, squares / scale ** 2, lo / scale, hi / scale
+
+
+@dataclass
+class LayerTotals:
+    """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
+    tensors, kept as their whole-tensor statistics (a `kernel.TOTALS` row each) beside their
+    shapes, dtypes, `metas` (layer, kind, stream, param) and `scale`: a per-step gradient reading's
+    parameters, which a writer makes rows of straight from these (`table.LayerRows`): a `Reading`
+    per tensor, made at every training step, costs more than reducing it."""
+
+    totals: list[list[float]]
+    shapes: list[tuple]
+    dtypes: list[str]
+    metas: list[dict]
+    scale: float = 1.0
+
+    @property
+    def non_finite(self) -> bool:
+        """Whether any of the tensors holds a NaN or an inf."""
+        return any(t[7] or t[8] for t in self.totals)
+
+    def readings(self) -> list[Reading]:
+        return [Reading(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
+                        count=math.prod(shape), dtype=dtype, **dict(zip(LAYER_VALUES, layer_values(t, self.scale))),
+                        **meta)
+                for t, shape, dtype, meta in zip(self.totals, self.shapes, self.dtypes, self.metas)]
 
 
 def centre(bounds: tuple[float, float] | None) -> float:

@@ -25,7 +25,7 @@ from actrace.format.schema import MERGE, bounds_for
 
 from . import fused, kernel
 from .dispatch import relu_stats
-from .reading import Reading, ReductionError
+from .reading import LayerTotals, Reading, ReductionError
 from .reference import centre, check_reducible, sat_counts
 
 _F64 = torch.float64
@@ -293,6 +293,31 @@ def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float 
     return _local_readings(tensors, metas, scale)
 
 
+def layer_totals(tensors: list[torch.Tensor], metas: list[dict], scale: float = 1.0) -> LayerTotals | None:
+    """`layer_readings` of plain tensors that one batch reads (all CPU float32, by the C kernel, or
+    all on one GPU, by the fused kernels), kept as their totals (a per-step gradient reading's
+    parameters); None where any tensor needs another path (sharded, empty, of another dtype or
+    device) or the fused kernels failed: `layer_readings` reads those."""
+    if not tensors or any(type(t) is not torch.Tensor or not t.numel() for t in tensors):
+        return None
+    if kernel.available and all(t.dtype is torch.float32 and t.is_cpu for t in tensors):
+        return _totals(tensors, metas, scale, None)
+    device = tensors[0].device
+    if all(t.device == device and fused.usable(t, narrow=True) for t in tensors):
+        return _totals(tensors, metas, scale, device)
+    return None
+
+
+def _totals(tensors: list[torch.Tensor], metas: list[dict], scale: float, device) -> LayerTotals | None:
+    """The totals of non-empty tensors read by one batch: the C kernel's (CPU float32, `device`
+    None), or the fused kernels' on `device` (None where they failed)."""
+    data = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    totals = kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data]) if device is None \
+        else fused.totals(data)
+    return None if totals is None else \
+        LayerTotals(totals, [t.shape for t in data], [dtype_name(t.dtype) for t in data], metas, scale)
+
+
 def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float) -> list[Reading]:
     """`layer_readings` of plain tensors; an empty one (a rank's share of a small sharded tensor)
     reads as no values."""
@@ -312,13 +337,9 @@ def _local_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float
         elif fused.usable(t, narrow=True):
             groups.setdefault(t.device, []).append(i)
     for device, group in groups.items():
-        data = [t if t.is_contiguous() else t.contiguous() for t in (tensors[i] for i in group)]
-        totals = fused.totals(data) if device is not None else \
-            kernel.reduce_totals([t.data_ptr() for t in data], [t.numel() for t in data])
-        if totals is not None:  # None: the fused kernels failed (torch kernels below)
-            got = Reading.from_totals(totals, [t.shape for t in data], [dtype_name(t.dtype) for t in data],
-                                      [metas[i] for i in group], scale)
-            for i, r in zip(group, got):
+        got = _totals([tensors[i] for i in group], [metas[i] for i in group], scale, device)
+        if got is not None:  # None: the fused kernels failed (torch kernels below)
+            for i, r in zip(group, got.readings()):
                 out[i] = r
     rest = [i for i in range(len(tensors)) if out[i] is None]
     pending = [reduce_tensor(tensors[i] / scale if scale != 1.0 else tensors[i], 0 if tensors[i].ndim else None,

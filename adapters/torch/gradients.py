@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from actrace.reduce import fold
-from actrace.reduce.torch import layer_readings, reduce_tensor, to_readings
+from actrace.reduce.reading import LayerTotals
+from actrace.reduce.torch import layer_readings, layer_totals, reduce_tensor, to_readings
 
 from .fsdp import FlatShards
 from .forward import ProbeForward
@@ -27,6 +28,8 @@ class Gradients:
                  activation_grads: bool = False, due=lambda: True):
         self.forward, self.scaler, self.due, self.flat = forward, scaler, due, flat
         self.params, self.aliases = _parameters(layers, flat)
+        self._metas = [dict(layer=name, kind=kind, stream="param_grad", param=pname) for name, kind, pname, _ in self.params]
+        self._present_key, self._present_metas = None, self._metas
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
         self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
@@ -50,14 +53,31 @@ class Gradients:
         states = getattr(self.scaler, "_per_optimizer_states", {}).values()
         return 1.0 if any(s.get("stage") is OptState.UNSCALED for s in states) else float(self.scaler.get_scale())
 
-    def read(self) -> list:
-        """Every parameter's gradient (layer-level), then the activation gradients gathered since."""
-        grads = [(g, dict(layer=name, kind=kind, stream="param_grad", param=pname))
-                 for name, kind, pname, p in self.params if (g := self.flat.grad(p)) is not None]
-        readings = layer_readings([g for g, _ in grads], [m for _, m in grads], self.scale()) \
-            + list(fold({}, to_readings(self._outputs)).values())
+    def batch(self) -> LayerTotals | None:
+        """Every parameter's gradient (layer-level) read by one kernel batch and kept as totals
+        (`layer_totals`), or None where they need more (sharded, of mixed devices): `read` them."""
+        return layer_totals(*self._present(), self.scale())
+
+    def read(self, params: bool = True) -> list:
+        """Every parameter's gradient (layer-level) unless `batch` took them, then the activation
+        gradients gathered since."""
+        readings = layer_readings(*self._present(), self.scale()) if params else []
+        readings += fold({}, to_readings(self._outputs)).values()
         self._outputs = []
         return readings
+
+    def _present(self) -> tuple[list, list[dict]]:
+        """The gradients there are and their metas: the same list for the same parameters, step after
+        step, which a writer's rows for the last step's fit at once."""
+        grads = [p.grad for *_, p in self.params] if not self.flat.of else [self.flat.grad(p) for *_, p in self.params]
+        if any(g is None for g in grads):
+            key = tuple(i for i, g in enumerate(grads) if g is not None)
+            grads = [g for g in grads if g is not None]
+        else:
+            key = None  # all
+        if key != self._present_key:
+            self._present_key, self._present_metas = key, self._metas if key is None else [self._metas[i] for i in key]
+        return grads, self._present_metas
 
     def _start(self, module, inputs):
         if torch.is_grad_enabled() and self.due():
