@@ -359,6 +359,32 @@ def test_gradient_readings_record_norms_update_ratio_and_nan_without_raising(tmp
     assert m.filter(pl.col("stream") == "param")["update_ratio"].drop_nulls().len() > 0
 
 
+def test_a_sparse_gradient_is_read_as_the_dense_gradient_it_stands_for(tmp_path):
+    """`nn.Embedding(sparse=True)` gives a sparse gradient: it is read (not raised into training) as
+    its dense twin's, every row no token of the batch chose counted as zeros."""
+    got = {}
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tokens = torch.tensor([[1, 2, 3], [3, 2, 1]])  # rows 1-3 of 10: 7 rows of 4 zeros
+        path = tmp_path / f"{sparse}.parquet"
+        with Monitor(model, tokens, path, probe_every=100) as mon:
+            for step in range(2):
+                model(tokens).pow(2).mean().backward()
+                mon.step(step)
+                opt.step()
+                opt.zero_grad()
+        got[sparse] = {(r["step"], r["layer"]): r for r in actrace.read_table(path).to_pylist()
+                       if r["stream"] == "param_grad"}
+    for key, dense in got[False].items():
+        row = got[True][key]
+        assert (row["count"], row["zero_count"], row["nan_count"]) == (dense["count"], dense["zero_count"], 0)
+        assert [row[k] for k in ("sum", "sumsq", "min", "max")] == pytest.approx(
+            [dense[k] for k in ("sum", "sumsq", "min", "max")], rel=1e-6)
+    assert got[True][(1, "0")]["count"] == 40 and got[True][(1, "0")]["zero_count"] >= 28
+
+
 def test_activation_gradients_when_asked(tmp_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
     with Monitor(model, torch.randn(8, 4), tmp_path / "a.parquet", probe_every=100, activation_grads=True) as mon:

@@ -214,19 +214,19 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> list[list[float]]:
     key, layout = (_threads(), tuple(sizes)), getattr(_layouts, "last", None)
     if layout is None or layout[0] != key:  # the threads too: they say which buffers are cut in pieces
         layout = _layouts.last = (key, *_totals_layout(*key))
-    _, table, jobs, pieces, totals, _scratch = layout
+    _, table, jobs, rows, totals, _scratch = layout
     jobs["x"], jobs["done"] = addresses, 0
-    _dispatch(_address(table), len(sizes), pieces, sum(sizes))
+    _dispatch(_address(table), len(sizes), rows, sum(sizes))
     return totals.tolist()
 
 
-_layouts = threading.local()  # `last`: this thread's ((threads, sizes), job table, outputs) of `reduce_totals`
+_layouts = threading.local()  # `last`: this thread's ((threads, sizes), `_totals_layout`) of `reduce_totals`
 
 
 def _totals_layout(threads: int, sizes: tuple[int, ...]) -> tuple:
     """`reduce_totals`' job table for buffers of these sizes, one unit each, a large one cut in a
-    piece per thread; its pieces; the buffers' TOTALS it fills (a row each); and the pieces' rows of
-    per-unit outputs (which the kernel sets before it adds to them, as it merges them)."""
+    piece per thread; how many pieces; the buffers' TOTALS it fills (a row each); and the pieces'
+    rows of per-unit outputs (which the kernel sets before it adds to them, as it merges them)."""
     sizes = np.asarray(sizes, np.int64)
     pieces = np.where(sizes >= SPLIT, threads, 1).astype(np.int32)
     first = np.cumsum(pieces) - pieces

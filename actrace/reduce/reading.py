@@ -115,7 +115,8 @@ def layer_values(totals: list[float], scale: float = 1.0) -> tuple:
 @dataclass
 class LayerTotals:
     """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
-    tensors, kept as their whole-tensor statistics (a `kernel.TOTALS` row each) beside their
+    tensors, kept as their whole-tensor statistics (a `kernel.TOTALS` row each; sum3 and sum4 may
+    be NaN: not read here) beside their
     shapes, dtypes, `metas` (layer, kind, stream, param) and `scale`: a per-step gradient reading's
     parameters, which a writer makes rows of straight from these (`table.LayerRows`): a `Reading`
     per tensor, made at every training step, costs more than reducing it."""
@@ -129,9 +130,10 @@ class LayerTotals:
     @property
     def non_finite(self) -> bool:
         """Whether any of the tensors holds a NaN or an inf."""
-        return any(t[7] or t[8] for t in self.totals)
+        return any(nans or infs for *_, nans, infs in self.totals)
 
     def readings(self) -> list[Reading]:
+        """The `Reading` of each tensor, as `record_many` takes them."""
         return [Reading(shape=tuple(shape), unit_axis=0 if shape else None, units=shape[0] if shape else 1,
                         count=math.prod(shape), dtype=dtype, **dict(zip(LAYER_VALUES, layer_values(t, self.scale))),
                         **meta)

@@ -281,10 +281,12 @@ def layer_readings(tensors: list[torch.Tensor], metas: list[dict], scale: float 
     """Layer-level readings (norm, extremes, zeros, NaN/Inf; unit axis 0) of many tensors, as a
     per-step gradient reading takes them (`metas`: each one's layer, kind, stream, param): the CPU
     float32 ones in one kernel batch, a GPU's by one fused kernel a dtype (`fused.totals`), the
-    others by torch kernels and one host transfer. The
-    values carry a factor `scale` (a loss scaler's), divided out. A sharded tensor (a DTensor:
-    FSDP2, tensor parallel; a `Piece`: FSDP1) is read from its local shard, its sums and extremes then reduced
-    across its mesh (never gathered): the whole tensor's reading, on every rank."""
+    others by torch kernels and one host transfer. The values carry a factor `scale` (a loss
+    scaler's), divided out. A sharded tensor (a DTensor: FSDP2, tensor parallel; a `Piece`: FSDP1)
+    is read from its local shard, its sums and extremes then reduced across its mesh (never
+    gathered): the whole tensor's reading, on every rank. A sparse one (`nn.Embedding(sparse=True)`'s
+    gradient) is read as the dense tensor it stands for, its zeros counted."""
+    tensors = [t.to_dense() if getattr(t, "layout", torch.strided) is not torch.strided else t for t in tensors]
     for t, meta in zip(tensors, metas):
         check_reducible(t.is_floating_point(), t.dtype, tuple(t.shape), meta["layer"])
     shards = [_local(t, meta["layer"]) for t, meta in zip(tensors, metas)]
@@ -298,7 +300,8 @@ def layer_totals(tensors: list[torch.Tensor], metas: list[dict], scale: float = 
     all on one GPU, by the fused kernels), kept as their totals (a per-step gradient reading's
     parameters); None where any tensor needs another path (sharded, empty, of another dtype or
     device) or the fused kernels failed: `layer_readings` reads those."""
-    if not tensors or any(type(t) is not torch.Tensor or not t.numel() for t in tensors):
+    if not tensors or any(type(t) is not torch.Tensor or t.layout is not torch.strided or not t.numel()
+                          for t in tensors):
         return None
     if kernel.available and all(t.dtype is torch.float32 and t.is_cpu for t in tensors):
         return _totals(tensors, metas, scale, None)

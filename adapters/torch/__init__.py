@@ -121,13 +121,13 @@ class Monitor(Recorder):
                           "mon.step(step) after loss.backward() and before optimizer.zero_grad()", stacklevel=3)
             self._warned_stale = True
         self.grads.fresh = False
-        params = self.grads.batch() if self.pipeline is None and not self.placed else None  # else: gathered
-        readings = self._whole(self.grads.read(params=params is None))
+        batched = self.grads.batch() if self.pipeline is None and not self.placed else None  # else: gathered
+        readings = self._whole(self.grads.read(with_params=batched is None))
         scaled = self.grads.scaler is not None and self.grads.scaler.is_enabled()
-        broken = (params is not None and params.non_finite) or any(r.nan_count or r.inf_count for r in readings)
+        broken = (batched is not None and batched.non_finite) or any(r.nan_count or r.inf_count for r in readings)
         mode = "skipped" if scaled and broken else "train"
-        written = (0 if params is None else self.write_totals(step, params, mode=mode)) + \
-            self.write(step, readings, mode=mode)
+        written = (0 if batched is None else self.write_totals(step, batched, mode=mode)) + \
+            (self.write(step, readings, mode=mode) if readings else 0)
         if broken and not scaled and not self._alarmed and self.last_probe != step:
             # the first non-finite gradient: read the probe now, with the weights that made it, so the
             # forward layer where the NaN or Inf starts is seen, not only the backward's spread

@@ -55,13 +55,13 @@ class Gradients:
 
     def batch(self) -> LayerTotals | None:
         """Every parameter's gradient (layer-level) read by one kernel batch and kept as totals
-        (`layer_totals`), or None where they need more (sharded, of mixed devices): `read` them."""
+        (`layer_totals`), or None where one batch cannot read them all: `read` them."""
         return layer_totals(*self._present(), self.scale())
 
-    def read(self, params: bool = True) -> list:
+    def read(self, with_params: bool = True) -> list:
         """Every parameter's gradient (layer-level) unless `batch` took them, then the activation
         gradients gathered since."""
-        readings = layer_readings(*self._present(), self.scale()) if params else []
+        readings = layer_readings(*self._present(), self.scale()) if with_params else []
         readings += fold({}, to_readings(self._outputs)).values()
         self._outputs = []
         return readings
