@@ -489,9 +489,9 @@ def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype, pa
     """`layer_readings` (one kernel batch for CPU float32, torch kernels otherwise; on a GPU, `cuda`,
     or by Triton's interpreter, `triton`: the fused kernel, one launch per dtype) against the numpy reference, on
     hard values: NaN, ±inf, zeros, a tensor cut among threads (and chunks), a 0-d one, one of NaN
-    only; scaled."""
+    only; scaled. Where one batch reads them all, `layer_totals` gives the same readings."""
     from actrace.reduce import fused, reference
-    from actrace.reduce.torch import layer_readings
+    from actrace.reduce.torch import layer_readings, layer_totals
 
     if path == "triton":
         monkeypatch.setattr(fused, "usable", lambda t, narrow=False: narrow and t.is_floating_point())
@@ -506,6 +506,10 @@ def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype, pa
     metas = [dict(layer=f"l{i}", kind="linear", stream="param_grad", param="weight") for i in range(len(tensors))]
     for scale in (1.0, 256.0):
         got = layer_readings(device, [dict(m) for m in metas], scale)
+        batch = layer_totals(device, metas, scale)
+        assert (batch is not None) == (path != "native" or dtype is torch.float32)
+        if batch is not None:
+            assert [repr(vars(r)) for r in batch.readings()] == [repr(vars(r)) for r in got]  # NaN as NaN
         for t, r in zip(tensors, got):
             x = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy().astype(np.float64)
             x = x.reshape(1, 1, -1) / scale
