@@ -16,7 +16,7 @@ side in one run:
   - `+grads`: a training step with an actrace gradient reading vs one without, taking turns step
     by step under one monitor (the median of each pair's ratio): the reading's cost where it runs,
     after a backward that left the interpreter's and the kernel's data cold in cache (a run of
-    readings alone costs half as much);
+    readings alone costs a fifth as much: bench/bench_grad_step.py splits it);
   - `grad ms`: one gradient reading alone, over a run of them, with its share of the writer's
     flushes and of Python's full collections (which the 0.2 s rounds may all miss);
   - on CUDA also: the probe reading with its reductions on a side stream (`side stream`, not the
