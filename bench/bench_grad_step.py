@@ -27,7 +27,7 @@ import torch
 
 from actrace.adapters.torch import Monitor
 from actrace.reduce import kernel
-from bench_torch import MODELS
+from bench_torch import MODELS, training_step
 
 
 def timer(owner, name: str, into: list):
@@ -57,16 +57,7 @@ def measure(make, seconds: float) -> dict[str, float]:
             grads = [p.grad for p in params]
             reduce_totals([g.data_ptr() for g in grads], [g.numel() for g in grads])
 
-        def train_step(extra=None):
-            model.train()
-            loss = loss_fn(model(probe))
-            opt.zero_grad()
-            loss.backward()
-            if extra is not None:
-                extra()
-            opt.step()
-            model.eval()
-
+        train_step = training_step(model, probe, loss_fn, opt)
         kinds = {"plain": None, "reading": lambda: mon.gradient_reading(next(steps)), "kernel": kernel_only}
         for extra in kinds.values():
             train_step(extra)

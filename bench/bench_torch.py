@@ -200,6 +200,21 @@ def gradient_cost(model, probe, path: str, steps, seconds: float = 1.5) -> float
             return (time.perf_counter() - start) / n * 1e3
 
 
+def training_step(model, probe, loss_fn, opt):
+    """A training step of `model` on `probe` that calls its argument, if any, between the backward
+    and the optimizer's step (where `mon.step` runs), the model left in evaluation mode."""
+    def step(between=None):
+        model.train()
+        loss = loss_fn(model(probe))
+        opt.zero_grad()
+        loss.backward()
+        if between is not None:
+            between()
+        opt.step()
+        model.eval()
+    return step
+
+
 def gradient_overhead(model, probe, path: str, train_step, sync, seconds: float = 3.0) -> float:
     """A training step with a gradient reading over one without: the two take turns, which goes first
     alternating, under one monitor (its hooks on both), for `seconds`; the median of the pairs' ratios."""
@@ -259,15 +274,10 @@ def main() -> None:
 
         steps = itertools.count()  # a trace holds one reading per step: each reading takes the next
 
+        step = training_step(model, probe, loss_fn, opt)
+
         def train_step(mon=None):
-            model.train()
-            loss = loss_fn(model(probe))
-            opt.zero_grad()
-            loss.backward()
-            if mon is not None:
-                mon.gradient_reading(next(steps))
-            opt.step()
-            model.eval()
+            step(None if mon is None else lambda: mon.gradient_reading(next(steps)))
 
         with tempfile.TemporaryDirectory() as d:
             @contextmanager
