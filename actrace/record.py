@@ -12,6 +12,7 @@ import warnings
 from contextlib import contextmanager
 
 from actrace.files.writer import Writer, script_options
+from actrace.reduce import gradient_totals, param_grad_job, reduce_arrays
 
 
 def patterns(p) -> tuple[str, ...]:
@@ -99,6 +100,15 @@ class Recorder:
             return 0
         self.writer.record_totals(step, batch, layer_indexes=[self.order(m["layer"]) for m in batch.metas], mode=mode)
         return len(batch.totals)
+
+    def write_gradients(self, step: int, grads: list[tuple]) -> int:
+        """Record the parameter gradients `grads` ((array, layer, param, kind) each, on the host) of
+        the training step `step`, layer-level: in one kernel batch where it reads them all
+        (`gradient_totals`), else one by one."""
+        batch = gradient_totals(grads)
+        if batch is not None:
+            return self.write_totals(step, batch, mode="train")
+        return self.write(step, reduce_arrays([param_grad_job(*g) for g in grads]), mode="train")
 
     def log(self, step: int, loss=None, lr=None, **scalars) -> None:
         """Record the training loop's values at `step` (`loss`, `lr`, any other name), so findings are

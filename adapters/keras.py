@@ -23,7 +23,7 @@ import numpy as np
 from actrace.format.fingerprint import fingerprint
 from actrace.format.schema import activation_kind
 from actrace.record import Recorder, patterns
-from actrace.reduce import param_grad_job, reduce_arrays
+from actrace.reduce import reduce_arrays
 
 __all__ = ["TraceCallback", "layer_kind"]
 
@@ -142,6 +142,5 @@ class FitRecorder(Recorder):
                               "so this run has probe readings only (the torch backend has both)", stacklevel=2)
                 self._warned = True
             return 0
-        jobs = [param_grad_job(g.detach().cpu().numpy(), layer.name, v.name, layer_kind(layer) or "other")
-                for layer, v, g in found]
-        return self.write(step, reduce_arrays(jobs), mode="train")
+        return self.write_gradients(step, [(g.detach().cpu().numpy(), layer.name, v.name, layer_kind(layer) or "other")
+                                           for layer, v, g in found])

@@ -11,7 +11,7 @@ from actrace.format import bins
 from actrace.format.schema import STREAMS, bounds_for
 
 from . import kernel
-from .reading import Reading, ReductionError
+from .reading import LayerTotals, Reading, ReductionError
 from .reference import centre, reference, sat_counts, view3
 
 
@@ -69,6 +69,19 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
             else:  # NaN stays NaN through a ReLU, as in the frameworks
                 out.append(Reading.from_stats(reference(np.maximum(x3, 0), 1, histogram=histogram), **relu_meta))
     return out
+
+def gradient_totals(grads: list[tuple]) -> LayerTotals | None:
+    """The parameter gradients `grads` ((array, layer, param, kind) each, on the host) read
+    layer-level in one kernel batch and kept as totals, as a per-step gradient reading takes them:
+    no `Reading` per gradient (`table.LayerRows`); None where one batch cannot read them all (one
+    not float32, or empty; no compiled kernel): `reduce_arrays` of their `param_grad_job`s can."""
+    arrays = [a if (a := np.asarray(g)).flags.c_contiguous else np.ascontiguousarray(a) for g, *_ in grads]  # 0-d stays
+    if not arrays or not kernel.available or any(a.dtype != np.float32 or not a.size for a in arrays):
+        return None
+    totals = kernel.reduce_totals([a.__array_interface__["data"][0] for a in arrays], [a.size for a in arrays])
+    return LayerTotals(totals, [a.shape for a in arrays], ["float32"] * len(arrays), [
+        dict(layer=layer, kind=kind, stream="param_grad", param=param) for _, layer, param, kind in grads])
+
 
 def param_grad_job(g, layer: str, param: str, kind: str) -> tuple:
     """The `reduce_arrays` task of one parameter's gradient, read layer-level (norm, extremes, zeros,

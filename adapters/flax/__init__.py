@@ -25,7 +25,7 @@ import numpy as np
 
 from actrace.format.fingerprint import fingerprint
 from actrace.record import Recorder
-from actrace.reduce import param_grad_job, reduce_arrays
+from actrace.reduce import reduce_arrays
 
 from .trace import ProbeTrace, linen_calls, nnx_calls
 
@@ -134,12 +134,12 @@ class Monitor(Recorder):
         if self.trace is None and (self.nnx or self.params is not None):
             self.trace = self._trace(self._state(self.params))  # the kinds of the layers, and their order
         kinds = self.trace.kinds if self.trace is not None else {}
-        jobs = []
+        read = []
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
             layer, param = leaf_names(path)
             if jax.numpy.issubdtype(g.dtype, jax.numpy.floating) and self.wanted(layer):
-                jobs.append(param_grad_job(g, layer, param, kinds.get(layer, "other")))
-        return self.write(step, reduce_arrays(jobs), mode="train")
+                read.append((g, layer, param, kinds.get(layer, "other")))
+        return self.write_gradients(step, read)
 
     def step(self, step: int, *, params=None, grads=None) -> None:
         """Call once per training step: a gradient reading of `grads` and a probe reading with
