@@ -75,6 +75,18 @@ def main() -> None:
         x3 = rng.normal(size=shape).astype(np.float32)
         row = [best_of(lambda: kernel.reduce_many([(x3, 0.0, hist, relu)])) / x3.size * 1e9 for hist in (True, False)]
         print(f"  {name:<38} {row[0]:6.3f} with histogram, {row[1]:6.3f} without")
+    print("one tensor on two Python threads (no OpenMP team in this process) against one, us "
+          f"(kernel.POOL_SPLIT = {kernel.POOL_SPLIT:,} values: below it, one)")
+    for n in (1 << 16, 1 << 18, 1 << 20, 1 << 22):
+        x3 = rng.normal(size=(1, 1, n)).astype(np.float32)
+        cells = []
+        for hist in (True, False):
+            for pool_split in (0, 1 << 62):  # always both threads, never
+                kernel.POOL_SPLIT, was = pool_split, kernel.POOL_SPLIT
+                cells.append(best_of(lambda: kernel.reduce_many([(x3, 0.0, hist, False)])) * 1e6)
+                kernel.POOL_SPLIT = was
+        print(f"  {n:>9,} values: with histogram {cells[0]:7.0f} against {cells[1]:7.0f}, "
+              f"without {cells[2]:7.0f} against {cells[3]:7.0f}")
 
 
 if __name__ == "__main__":

@@ -485,3 +485,35 @@ def test_reduce_arrays_reads_relu_from_its_inputs_pass_or_its_own(case, dtype):
     with np.errstate(invalid="ignore"):
         r = np.maximum(x, 0)
     assert_same(relu, from_reference(r, 1, "relu", "x.relu"), r, 1)
+
+
+ON_PYTHON_THREADS = """
+import sys
+import numpy as np
+from actrace.reduce import kernel, reference
+assert "torch" not in sys.modules and kernel._threads() == 2 and kernel._gomp == [None]
+rng = np.random.default_rng(0)
+x = rng.normal(size=(2, 3, kernel.POOL_SPLIT // 4)).astype(np.float32)  # 1.5x POOL_SPLIT, cut in pieces
+x[0, 1, :5] = [np.nan, np.inf, -np.inf, 0.0, 1e-30]
+ran = []
+kernel._pool.submit = lambda fn, data, submit=kernel._pool.submit: ran.append(1) or submit(fn, data)
+got = kernel.reduce_f32(x, 0.0, True)
+ref = reference(x.astype(np.float64), 1, histogram=True)
+assert ran == [1], ran  # the second thread took part
+for k in ("unit_zero", "unit_count", "hist", "nan_count", "inf_count"):
+    assert np.array_equal(np.asarray(got[k]).ravel(), np.asarray(ref[k]).ravel()), k
+for k in ("unit_min", "unit_max"):
+    assert np.array_equal(got[k], np.asarray(ref[k], np.float32)), k
+assert np.allclose(got["unit_sumsq"], ref["unit_sumsq"], rtol=1e-5)
+print("ok")
+"""
+
+
+def test_without_an_openmp_team_a_large_batch_is_shared_by_two_python_threads_and_read_the_same():
+    """In a process without PyTorch's OpenMP team (JAX, ONNX Runtime, plain numpy) the kernel runs a
+    batch of `POOL_SPLIT` values or more on two Python threads: a tensor cut in pieces there gives
+    the reference's numbers, NaN, ±inf, a zero and a subnormal-scale value planted."""
+    if not kernel.available:
+        pytest.skip("the compiled kernel is not built here")
+    done = subprocess.run([sys.executable, "-c", ON_PYTHON_THREADS], capture_output=True, text=True, timeout=HUNG)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-3000:]

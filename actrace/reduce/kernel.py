@@ -114,6 +114,7 @@ _BINS = _Bins(_TABLE.ctypes.data, _EDGES.ctypes.data, len(_EDGES), bins.ZERO_BIN
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actrace-kernel")
 _gomp: list = []  # [(GOMP_parallel, omp_get_max_threads) or None], looked up at the first batch
 SPLIT = 1 << 16   # values: a tensor this large is cut in pieces, one per thread
+POOL_SPLIT = 1 << 20  # values a batch needs before two Python threads share it: a hand-off costs 60-70 us
 
 
 def _address(a: np.ndarray) -> int:
@@ -155,16 +156,18 @@ def _threads() -> int:
 
 
 def _dispatch(address: int, n: int, pieces: int, values: int) -> None:
-    """Run `n` jobs laid out at `address` on every thread; on this thread alone when there is one
-    piece or fewer `values` than a piece's worth (waking a thread team costs more than that)."""
-    _on_threads(_run, _RUN, ctypes.byref(_Batch(_BINS, address, n, 0)), pieces > 1 and values >= SPLIT)
+    """Run `n` jobs laid out at `address` (`pieces` in all, of `values` values) on every thread, or
+    on this one alone (`_on_threads`)."""
+    _on_threads(_run, _RUN, ctypes.byref(_Batch(_BINS, address, n, 0)), values if pieces > 1 else 0)
 
 
-def _on_threads(fn, address, data, parallel: bool) -> None:
-    """`fn(data)` on every thread (the framework's OpenMP team, or two Python threads) when
-    `parallel`, else on this one; `address` is fn's, for OpenMP."""
+def _on_threads(fn, address, data, values: int) -> None:
+    """`fn(data)` on every thread (the framework's OpenMP team, or two Python threads), else on this
+    one alone where `values` are too few to pay for waking them: a piece's worth (`SPLIT`) for an
+    OpenMP team, `POOL_SPLIT` for Python threads (bench_core.py: below it one thread is as fast or
+    faster); `address` is fn's, for OpenMP."""
     _threads()
-    if not parallel:
+    if values < (SPLIT if _gomp[0] else POOL_SPLIT):
         fn(data)
     elif _gomp[0]:
         _gomp[0][0](address, data, 0, 0)  # 0 threads: the team's size (torch.set_num_threads)
@@ -185,7 +188,7 @@ def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> 
     n = np.empty((batch, queries), np.int64)
     job = _Scores(_address(x), batch, heads, queries, keys, keys if reach is None else reach, lowest,
                   *map(_address, (peak, entropy, sink, n)), 0)
-    _on_threads(_scores, _SCORES, ctypes.byref(job), batch * queries > 1 and x.size >= SPLIT)
+    _on_threads(_scores, _SCORES, ctypes.byref(job), x.size if batch * queries > 1 else 0)
     return peak, entropy, sink, n
 
 
