@@ -2,10 +2,12 @@
 256-example probe) in PyTorch (`Monitor.probe_reading`), Flax linen (`Monitor.probe_reading`, the
 forward traced once and jitted, against a jitted `apply`) and Keras 3 on the torch and JAX backends
 (`TraceCallback.probe_reading`, a functional view of every layer, against `model(x, training=False)`).
-Each reference returns its output on the host, as a reading does. Cases take turns round after
+Each reference returns its output on the host, as a reading does. For PyTorch and Flax also a
+training step (a squared-output loss on the probe, SGD; Flax's jitted) with a gradient reading
+(`Monitor.gradient_reading`) against one without. Cases take turns round after
 round; a ratio is the median over rounds of the two times in one round (`bench_torch.paired`).
 Each framework runs in its own process (Keras's backend is chosen at import).
-Run: .venv/bin/python bench/bench_frameworks.py [--repeat N] [--frameworks torch flax keras-torch keras-jax]
+Run: .venv/bin/python bench/bench_frameworks.py [--repeat N] [--width W] [--frameworks torch flax keras-torch keras-jax]
 """
 from __future__ import annotations
 
@@ -40,11 +42,19 @@ def torch_cases(tmp):
     model = nn.Sequential(*itertools.chain.from_iterable((nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in layers))
     probe = torch.from_numpy(x)
     mon, steps = Monitor(model, probe, f"{tmp}/torch.parquet"), itertools.count()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def forward():
         with torch.no_grad():
             model(probe).numpy()
-    return forward, lambda: mon.probe_reading(next(steps)), mon.close
+
+    def train(read: bool):
+        opt.zero_grad()
+        model(probe).pow(2).mean().backward()
+        if read:
+            mon.gradient_reading(next(steps))
+        opt.step()
+    return forward, lambda: mon.probe_reading(next(steps)), mon.close, train
 
 
 def flax_cases(tmp):
@@ -64,7 +74,20 @@ def flax_cases(tmp):
     model = MLP()
     params = {f"Dense_{i}": {"kernel": w, "bias": b} for i, (w, b) in enumerate(layers)}
     apply, mon, steps = jax.jit(model.apply), Monitor(model, x, f"{tmp}/flax.parquet"), itertools.count()
-    return lambda: np.asarray(apply({"params": params}, x)), lambda: mon.probe_reading(next(steps), params), mon.close
+    state = [params]
+
+    @jax.jit
+    def sgd(p):
+        grads = jax.grad(lambda p: (model.apply({"params": p}, x) ** 2).mean())(p)
+        return jax.tree_util.tree_map(lambda w, g: w - 1e-4 * g, p, grads), grads
+
+    def train(read: bool):
+        state[0], grads = sgd(state[0])
+        jax.block_until_ready(grads)
+        if read:
+            mon.gradient_reading(next(steps), grads)
+    return (lambda: np.asarray(apply({"params": params}, x)), lambda: mon.probe_reading(next(steps), params),
+            mon.close, train)
 
 
 def keras_cases(tmp):
@@ -79,7 +102,7 @@ def keras_cases(tmp):
     cb.set_model(model)
     cb.on_train_begin()
     return (lambda: keras.ops.convert_to_numpy(model(x, training=False)), lambda: cb.probe_reading(next(steps)),
-            cb.writer.close)
+            cb.writer.close, None)  # its gradient readings run inside `fit`: not timed here
 
 
 CASES = {"torch": torch_cases, "flax": flax_cases, "keras-torch": keras_cases, "keras-jax": keras_cases}
@@ -87,7 +110,7 @@ CASES = {"torch": torch_cases, "flax": flax_cases, "keras-torch": keras_cases, "
 
 def measure(framework: str, repeat: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        forward, reading, close = CASES[framework](tmp)
+        forward, reading, close, train = CASES[framework](tmp)
 
         def case(fn):
             @contextmanager
@@ -96,26 +119,35 @@ def measure(framework: str, repeat: int) -> None:
                 yield fn
             return timed
 
-        times = interleaved({"forward": case(forward), "reading": case(reading)}, repeat, lambda: None, calls=5)
+        cases = {"forward": case(forward), "reading": case(reading)}
+        if train is not None:
+            cases |= {"step": case(lambda: train(False)), "step+grads": case(lambda: train(True))}
+        times = interleaved(cases, repeat, lambda: None, calls=5)
         close()
+        grads = f"   training step {np.median(times['step']) * 1e3:7.1f} ms, with a gradient reading " \
+            f"{paired(times, 'step+grads', 'step'):.2f}×" if train is not None else ""
         print(f"{framework:<12} forward {np.median(times['forward']) * 1e3:7.1f} ms   "
               f"probe reading {np.median(times['reading']) * 1e3:7.1f} ms   "
-              f"{paired(times, 'reading', 'forward'):.2f}×", flush=True)
+              f"{paired(times, 'reading', 'forward'):.2f}×{grads}", flush=True)
 
 
 def main() -> None:
+    global WIDTH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--width", type=int, default=WIDTH, help="of each layer (default %(default)s)")
     ap.add_argument("--frameworks", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--one", choices=list(CASES), help=argparse.SUPPRESS)  # run in this process
     args = ap.parse_args()
+    WIDTH = args.width
     if args.one:
         return measure(args.one, args.repeat)
     print(f"probe reading vs plain forward, MLP {DEPTH}×{WIDTH} ReLU, probe {BATCH}, median of {args.repeat} "
           "paired rounds")
     for fw in args.frameworks:
         env = dict(os.environ, KERAS_BACKEND=fw.removeprefix("keras-")) if fw.startswith("keras") else os.environ
-        subprocess.run([sys.executable, __file__, "--one", fw, "--repeat", str(args.repeat)], env=env, check=True)
+        subprocess.run([sys.executable, __file__, "--one", fw, "--repeat", str(args.repeat), "--width", str(WIDTH)],
+                       env=env, check=True)
 
 
 if __name__ == "__main__":
