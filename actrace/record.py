@@ -104,7 +104,7 @@ class Recorder:
     def write_gradients(self, step: int, grads: list[tuple]) -> int:
         """Record the parameter gradients `grads` ((array, layer, param, kind) each, on the host) of
         the training step `step`, layer-level: in one kernel batch where it reads them all
-        (`gradient_totals`), else one by one."""
+        (`gradient_totals`), else by `reduce_arrays`, a Reading each."""
         batch = gradient_totals(grads)
         if batch is not None:
             return self.write_totals(step, batch, mode="train")

@@ -101,8 +101,8 @@ def keras_cases(tmp):
     cb, steps = TraceCallback(probe=x, out=f"{tmp}/keras.parquet"), itertools.count()
     cb.set_model(model)
     cb.on_train_begin()
-    return (lambda: keras.ops.convert_to_numpy(model(x, training=False)), lambda: cb.probe_reading(next(steps)),
-            cb.writer.close, None)  # its gradient readings run inside `fit`: not timed here
+    return (lambda: keras.ops.convert_to_numpy(model(x, training=False)),
+            lambda: cb.recorder.probe_reading(next(steps)), cb.recorder.close, None)  # its gradients: inside `fit`
 
 
 CASES = {"torch": torch_cases, "flax": flax_cases, "keras-torch": keras_cases, "keras-jax": keras_cases}

@@ -1,5 +1,6 @@
 """Keras 3 on the torch and JAX backends: a small CNN with 3 of 8 channels killed by construction,
-fused activations read as their kind, NHWC units on the last axis, gradients where kept."""
+fused activations read as their kind (a softmax head: its gradients' rows carry its bounds too),
+NHWC units on the last axis, gradients where kept."""
 from __future__ import annotations
 
 import os
@@ -20,9 +21,10 @@ import numpy as np, keras, warnings
 from actrace.adapters.keras import TraceCallback
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
-                          keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(4)])
+                          keras.layers.BatchNormalization(), keras.layers.Flatten(),
+                          keras.layers.Dense(4, activation="softmax")])
 model.layers[0].bias.assign(np.array([-50.0] * 3 + [0.0] * 5))  # 3 channels below zero for every input
-model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy())
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 8, 8, 3)).astype("float32"), rng.integers(0, 4, 64)
 with warnings.catch_warnings(record=True) as said:
@@ -42,7 +44,7 @@ def test_a_keras_cnn_is_read_with_its_fused_activation_and_nhwc_units(tmp_path, 
     assert validate(out) == [] and metadata.read(out)["framework"] == "keras"
     acts = {r["layer"]: r for r in actrace.read_table(out).to_pylist() if r["stream"] == "activation"}
     assert {name: (r["kind"], r["unit_axis"], r["units"]) for name, r in acts.items()} == {
-        "conv2d": ("relu", 3, 8), "batch_normalization": ("norm", 3, 8), "dense": ("linear", 1, 4)}
+        "conv2d": ("relu", 3, 8), "batch_normalization": ("norm", 3, 8), "dense": ("softmax", 1, 4)}
     m = metrics(out)
     conv = m.filter((pl.col("layer") == "conv2d") & (pl.col("stream") == "activation"))
     assert conv["step"].to_list() == [0, 2, 3] and set(conv["dead_fraction"]) == {3 / 8}

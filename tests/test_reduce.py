@@ -89,11 +89,14 @@ def test_the_float32_fast_histogram_equals_the_definition(x):
 
 
 
-def test_gradients_read_in_one_batch_are_the_gradients_read_one_by_one():
+def test_gradients_read_in_one_batch_are_the_gradients_read_one_by_one(tmp_path):
     """`gradient_totals` (the Keras and Flax adapters' per-step gradient reading: one kernel batch, no
     Reading per gradient) gives each gradient's layer-level reading as `reduce_arrays` of its
     `param_grad_job` does, on a NaN, an inf, zeros, a 0-d gradient, a transposed (non-contiguous)
-    one and one cut among the threads; and leaves a batch holding a float64 gradient to it."""
+    one, one cut among the threads and those of layers of bounded kinds (their bounds kept: a valid
+    trace); and leaves a batch holding a float64 gradient to it."""
+    import actrace
+    from actrace.files.validate import validate
     from actrace.reduce import gradient_totals, kernel, param_grad_job, reduce_arrays
 
     if not kernel.available:
@@ -101,17 +104,22 @@ def test_gradients_read_in_one_batch_are_the_gradients_read_one_by_one():
     rng = np.random.default_rng(0)
     grads = [(rng.normal(size=(6, 5)).astype(np.float32), "fc", "weight", "linear"),
              (np.float32(-2.5), "scale", "s", "other"),
+             (rng.normal(size=(4, 3)).astype(np.float32), "head", "kernel", "softmax"),  # Keras: Dense(softmax)
+             (rng.normal(size=(3,)).astype(np.float32), "gate", "bias", "hard_tanh"),
              (rng.normal(size=(7, 3)).astype(np.float32).T, "conv", "weight", "conv"),
              (rng.normal(size=kernel.SPLIT + 5).astype(np.float32), "emb", "weight", "embedding")]
     grads[0][0][1, 2], grads[0][0][3, 1], grads[0][0][0] = np.nan, -np.inf, 0.0
     got = gradient_totals(grads).readings()
     want = reduce_arrays([param_grad_job(*g) for g in grads])
     for a, b in zip(got, want, strict=True):
-        assert (a.layer, a.param, a.kind, a.stream, a.dtype, a.shape, a.unit_axis, a.units, a.count) == \
-            (b.layer, b.param, b.kind, b.stream, b.dtype, b.shape, b.unit_axis, b.units, b.count)
+        assert (a.layer, a.param, a.kind, a.bounds, a.stream, a.dtype, a.shape, a.unit_axis, a.units, a.count) == \
+            (b.layer, b.param, b.kind, b.bounds, b.stream, b.dtype, b.shape, b.unit_axis, b.units, b.count)
         assert (a.nan_count, a.inf_count, a.zero_count, a.min, a.max) == (b.nan_count, b.inf_count, b.zero_count,
                                                                           b.min, b.max)
         assert (a.sum, a.sumsq) == pytest.approx((b.sum, b.sumsq), rel=1e-6)
         assert a.unit_sum is None and a.hist is None
     assert (got[0].nan_count, got[0].inf_count, got[0].zero_count) == (1, 1, 5) and got[1].shape == ()
     assert gradient_totals(grads + [(np.ones(3), "b", "bias", "linear")]) is None
+    with actrace.Writer(tmp_path / "g.parquet") as w:  # a bounded kind's rows carry its bounds (spec §Validity)
+        w.record_totals(0, gradient_totals(grads), layer_indexes=list(range(len(grads))))
+    assert validate(tmp_path / "g.parquet") == []

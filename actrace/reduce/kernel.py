@@ -2,9 +2,9 @@
 
 `reduce_many` runs a batch of tensors on every thread at once: on the OpenMP team of a framework
 already in the process (PyTorch's libgomp, whose idle threads would otherwise spin beside ours),
-else on two Python threads (ctypes releases the GIL). Optional: where the compiled module is
-missing, `available` is False and `actrace.reduce` uses its numpy path, which gives the same
-numbers (the tests hold the two to each other). `attention_scores` gives an attention's
+else, from `POOL_SPLIT` values, on two Python threads (ctypes releases the GIL). Optional: where
+the compiled module is missing, `available` is False and `actrace.reduce` uses its numpy path,
+which gives the same numbers (the tests hold the two to each other). `attention_scores` gives an attention's
 per-head numbers (spec §Derived readings) in one read of its scores.
 """
 from __future__ import annotations
@@ -164,8 +164,8 @@ def _dispatch(address: int, n: int, pieces: int, values: int) -> None:
 def _on_threads(fn, address, data, values: int) -> None:
     """`fn(data)` on every thread (the framework's OpenMP team, or two Python threads), else on this
     one alone where `values` are too few to pay for waking them: a piece's worth (`SPLIT`) for an
-    OpenMP team, `POOL_SPLIT` for Python threads (bench_core.py: below it one thread is as fast or
-    faster); `address` is fn's, for OpenMP."""
+    OpenMP team, `POOL_SPLIT` for Python threads (bench_core.py: below it their hand-off costs about
+    what the second thread saves with a histogram, more without); `address` is fn's, for OpenMP."""
     _threads()
     if values < (SPLIT if _gomp[0] else POOL_SPLIT):
         fn(data)
