@@ -6,4 +6,5 @@ from .reading import Reading, ReductionError, combine, fold, merge, outward
 from .reference import centre, check_reducible, reference, sat_counts, view3
 
 __all__ = ["Reading", "ReductionError", "centre", "check_reducible", "combine", "fold", "gradient_totals", "merge",
-           "outward", "param_grad_job", "reduce_array", "reduce_arrays", "reference", "relu_stats", "sat_counts", "view3"]
+           "outward", "param_grad_job", "reduce_array", "reduce_arrays", "reference", "relu_stats", "sat_counts",
+           "view3"]

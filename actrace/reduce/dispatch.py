@@ -70,19 +70,26 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
                 out.append(Reading.from_stats(reference(np.maximum(x3, 0), 1, histogram=histogram), **relu_meta))
     return out
 
+
+def param_grad_meta(layer: str, param: str, kind: str) -> dict:
+    """What a parameter gradient's layer-level reading is besides its values (`LayerTotals.metas`):
+    a bounded kind's rows carry its bounds, as every row of that kind does (spec §Validity)."""
+    return dict(layer=layer, kind=kind, bounds=bounds_for(kind), stream="param_grad", param=param)
+
+
 def gradient_totals(grads: list[tuple]) -> LayerTotals | None:
     """The parameter gradients `grads` ((array, layer, param, kind) each, on the host) read
     layer-level in one kernel batch and kept as totals, as a per-step gradient reading takes them:
     no `Reading` per gradient (`table.LayerRows`), and, as for PyTorch's, no sum3 or sum4; None
     where one batch cannot read them all (one not float32, or empty; no compiled kernel): then
     `reduce_arrays` of their `param_grad_job`s reads them (and refuses an empty one)."""
-    arrays = [a if (a := np.asarray(g)).flags.c_contiguous else np.ascontiguousarray(a) for g, *_ in grads]  # 0-d stays
+    arrays = [np.asarray(g) for g, *_ in grads]
     if not arrays or not kernel.available or any(a.dtype != np.float32 or not a.size for a in arrays):
         return None
+    arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]  # a 0-d one stays 0-d
     totals = kernel.reduce_totals([a.__array_interface__["data"][0] for a in arrays], [a.size for a in arrays])
-    return LayerTotals(totals, [a.shape for a in arrays], ["float32"] * len(arrays), [
-        dict(layer=layer, kind=kind, bounds=bounds_for(kind), stream="param_grad", param=param)
-        for _, layer, param, kind in grads])  # a bounded kind's rows carry its bounds, as every row of it does
+    return LayerTotals(totals, [a.shape for a in arrays], ["float32"] * len(arrays),
+                       [param_grad_meta(layer, param, kind) for _, layer, param, kind in grads])
 
 
 def param_grad_job(g, layer: str, param: str, kind: str) -> tuple:

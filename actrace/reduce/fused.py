@@ -308,4 +308,5 @@ def totals(tensors: list[torch.Tensor]) -> list[list[float]] | None:
     sizes = np.array([t.numel() for t in tensors], np.float64)
     count, zeros, nans = add[:, 4], add[:, 5], add[:, 6]
     unknown = np.full(len(tensors), np.nan)  # sum3, sum4: not read per step
-    return np.column_stack([add[:, 0], add[:, 1], unknown, unknown, lo, hi, zeros, nans, sizes - count - nans]).tolist()
+    return np.column_stack([add[:, 0], add[:, 1], unknown, unknown, lo, hi, zeros, nans,
+                            sizes - count - nans]).tolist()

@@ -4,8 +4,8 @@
 already in the process (PyTorch's libgomp, whose idle threads would otherwise spin beside ours),
 else, from `POOL_SPLIT` values, on two Python threads (ctypes releases the GIL). Optional: where
 the compiled module is missing, `available` is False and `actrace.reduce` uses its numpy path,
-which gives the same numbers (the tests hold the two to each other). `attention_scores` gives an attention's
-per-head numbers (spec §Derived readings) in one read of its scores.
+which gives the same numbers (the tests hold the two to each other). `attention_scores` gives an
+attention's per-head numbers (spec §Derived readings) in one read of its scores.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ TOTALS = ("sum", "sumsq", "sum3", "sum4", "min", "max", "zero_count", "nan_count
 
 def _load():
     """The kernel's batch entry point and constants (KEY_SHIFT, EXACT, MAX_BINS), after checking its
-    F64_ROWS and TOTALS and that the C structs are laid out as the ctypes ones here; None when it is not built."""
+    F64_ROWS and TOTALS and that the C structs are laid out as the ctypes ones here; None when it is
+    not built."""
     spec = importlib.util.find_spec("actrace.reduce._kernel")
     if spec is None or not spec.origin:
         return None
@@ -240,7 +241,8 @@ def _totals_layout(threads: int, sizes: tuple[int, ...]) -> tuple:
     jobs = table.view(_JOBS)
     jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = 1, 1, sizes, pieces
     jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
-    jobs["i64"], jobs["totals"] = _address(i64) + 8 * width * first, _address(totals) + totals.strides[0] * np.arange(len(sizes))
+    jobs["i64"] = _address(i64) + 8 * width * first
+    jobs["totals"] = _address(totals) + totals.strides[0] * np.arange(len(sizes))
     return table, jobs, rows, totals, (f64, f32, i64)
 
 

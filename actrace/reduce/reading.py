@@ -102,7 +102,8 @@ class Reading:
         return r
 
 
-LAYER_VALUES = ("nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max")  # what a step gives a layer-level reading
+# what each step gives a layer-level reading; the rest of it is fixed by its tensor (`table.LayerRows`)
+LAYER_VALUES = ("nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max")
 
 
 def layer_values(totals: list[float], scale: float = 1.0) -> tuple:
@@ -116,10 +117,10 @@ def layer_values(totals: list[float], scale: float = 1.0) -> tuple:
 class LayerTotals:
     """Layer-level readings (unit axis 0, None for a 0-d tensor; no per-unit columns) of many
     tensors, kept as their whole-tensor statistics (a `kernel.TOTALS` row each; sum3 and sum4 may
-    be NaN: not read here) beside their
-    shapes, dtypes, `metas` (layer, kind, stream, param) and `scale`: a per-step gradient reading's
-    parameters, which a writer makes rows of straight from these (`table.LayerRows`): a `Reading`
-    per tensor, made at every training step, costs more than reducing it."""
+    be NaN: not read here) beside their shapes, dtypes, `metas` (layer, kind, bounds, stream, param)
+    and `scale`: a per-step gradient reading's parameters, which a writer makes rows of straight
+    from these (`table.LayerRows`): a `Reading` per tensor, made at every training step, costs more
+    than reducing it."""
 
     totals: list[list[float]]
     shapes: list[tuple]

@@ -10,8 +10,8 @@ import warnings
 import torch
 from torch import nn
 
-from actrace.format.schema import bounds_for
 from actrace.reduce import fold
+from actrace.reduce.dispatch import param_grad_meta
 from actrace.reduce.reading import LayerTotals
 from actrace.reduce.torch import layer_readings, layer_totals, reduce_tensor, to_readings
 
@@ -29,8 +29,7 @@ class Gradients:
                  activation_grads: bool = False, due=lambda: True):
         self.forward, self.scaler, self.due, self.flat = forward, scaler, due, flat
         self.params, self.aliases = _parameters(layers, flat)
-        self._metas = [dict(layer=name, kind=kind, bounds=bounds_for(kind), stream="param_grad", param=pname)
-                       for name, kind, pname, _ in self.params]  # a bounded kind's rows carry its bounds
+        self._metas = [param_grad_meta(name, pname, kind) for name, kind, pname, _ in self.params]
         self._present_key, self._present_metas = None, self._metas
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
         self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
