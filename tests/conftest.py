@@ -25,6 +25,11 @@ EXAMPLES = SPEC / "examples"
 # Seconds after which a child process or a page is taken to be hung, not slow: the limits only stop
 # a hang, so they leave room for a loaded two-core CI machine (the demo alone takes ~20 s idle).
 HUNG = 1800
+# A multi-process test script leaves at its end without the interpreter's teardown: torch 2.13's
+# (gloo's) aborted a rank there ("terminate called without an active exception") in 1 of ~25 runs
+# on a loaded machine, after destroy_process_group had returned on both ranks and every trace was
+# written and closed.
+LEAVE = "\nimport os, sys\nsys.stdout.flush()\nos._exit(0)\n"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync"]

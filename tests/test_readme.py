@@ -14,7 +14,7 @@ from conftest import HUNG, ROOT
 
 BLOCKS = re.findall(r"```(bash|python)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 # torch 2.13's gloo teardown aborts a rank at interpreter exit, after its work and destroy_process_group,
-# about once in 25-50 loaded runs (tests/test_sharded.py's LEAVE): such a block runs once more, and
+# about once in 25-50 loaded runs (tests/conftest.py's LEAVE): such a block runs once more, and
 # only on that abort, which its ranks' stderr (kept here: the README sends it to /dev/null) shows
 TEARDOWN = "terminate called without an active exception"
 

@@ -19,7 +19,7 @@ from actrace.analyzer.metrics import metrics
 from actrace.format import metadata
 from actrace.files.validate import validate
 
-from conftest import HUNG
+from conftest import HUNG, LEAVE
 
 # three steps, readings between each backward and optimizer step (the next forward must see the step's
 # weights); the script before sets model, watched, probe, train and the Monitor's options
@@ -125,12 +125,6 @@ def _port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
-
-
-# Each script leaves at its end without the interpreter's teardown: torch 2.13's (gloo's) aborted a
-# rank there ("terminate called without an active exception") in 1 of ~25 runs on a loaded machine,
-# after destroy_process_group had returned on both ranks and every trace was written and closed.
-LEAVE = "\nimport os, sys\nsys.stdout.flush()\nos._exit(0)\n"
 
 
 def launch(d, script: str, hows, ranks: int = 2) -> str:

@@ -20,7 +20,7 @@ from actrace.adapters.torch import Monitor
 from actrace.adapters.torch import forward
 from actrace.analyzer.metrics import metrics
 from actrace.reduce import reduce_array
-from conftest import HUNG
+from conftest import HUNG, LEAVE
 
 
 def act(path, layer, column="dead_fraction"):
@@ -424,7 +424,7 @@ def test_two_gloo_ranks_record_what_one_process_records(tmp_path):
     import subprocess
 
     script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
+    script.write_text(DDP_SCRIPT + LEAVE)
     def free_port() -> str:  # one per run: the single run's port may still be held (TIME_WAIT) after it
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
