@@ -1,7 +1,7 @@
 """The PyTorch adapter on model code we did not write: Hugging Face `transformers` language and
 vision models built from small configs (no weights downloaded). Every activation the model
 applies is read once with its kind, and units killed by construction read as dead, also by the GPU's
-fused kernels (`path`)."""
+fused kernels (`path`); their per-step gradients read as they were made."""
 from __future__ import annotations
 
 import dataclasses
@@ -174,3 +174,36 @@ def test_a_massive_activation_is_found_naming_its_unit_and_a_healthy_llama_has_n
     down = [f for f in found if f.layer == "layers.0.mlp.down_proj"]
     assert len(down) == 1 and "unit 5 " in down[0].evidence and down[0].step == 0
     assert all("unit 5 " in f.evidence for f in found)  # the residual stream carries the same unit on
+
+
+@pytest.mark.parametrize("build", MODELS.values(), ids=MODELS.keys())
+def test_a_transformers_model_s_gradients_are_read_as_they_were_made(tmp_path, build, path):
+    """A per-step gradient reading of a `transformers` model (one batch for every parameter: the C
+    kernel, or as on a GPU the fused kernels): one parameter's gradient set by construction (8
+    zeros, a NaN, the rest 0.5) reads exactly so, and every other one as torch computes it."""
+    torch.manual_seed(0)
+    model, probe, first_bias, _ = build()
+    trace = tmp_path / "g.parquet"
+    with Monitor(model, probe, trace, probe_every=10 ** 9) as mon:
+        model.train()
+        out = model(**probe) if isinstance(probe, dict) else model(probe)
+        out.last_hidden_state.pow(2).mean().backward()
+        n = first_bias.numel()
+        first_bias.grad.fill_(0.5)
+        first_bias.grad[:8], first_bias.grad[8] = 0.0, float("nan")
+        mon.gradient_reading(1)
+        grads = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None}
+    rows = {f"{r['layer']}.{r['param']}": r for r in actrace.read_table(trace).to_pylist()
+            if r["stream"] == "param_grad"}
+    planted = next(name for name, p in model.named_parameters() if p is first_bias)
+    r = rows[planted]
+    assert (r["count"], r["nan_count"], r["inf_count"], r["zero_count"]) == (n, 1, 0, 8)
+    assert (r["sum"], r["sumsq"], r["min"], r["max"]) == (0.5 * (n - 9), 0.25 * (n - 9), 0.0, 0.5)
+    assert len(rows) > 4 and set(rows) <= set(grads)
+    for name, r in rows.items():
+        if name != planted:
+            g = grads[name]
+            assert (r["count"], r["nan_count"], r["zero_count"]) == (g.numel(), 0, int((g == 0).sum()))
+            assert abs(r["sum"] - float(g.sum())) <= 64 * 2 ** -24 * float(g.abs().sum())  # spec §Numerics
+            assert r["sumsq"] == pytest.approx(float(g.pow(2).sum()), rel=64 * 2 ** -24)
+            assert (r["min"], r["max"]) == (float(g.min()), float(g.max()))
