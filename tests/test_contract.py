@@ -372,7 +372,7 @@ def test_the_large_layouts_are_cut_among_threads(layout):
     if not kernel.available:
         pytest.skip("the compiled kernel is not built here")
     shape, axis = LAYOUTS[layout]
-    assert kernel._job(view3(values("hard", shape, np.float32), axis), 0.0, True, False, 2)[0].pieces == 2
+    assert kernel._Layout(2, (view3(values("hard", shape, np.float32), axis).shape,), ((True, False),)).pieces == 2
 
 
 def test_the_reference_gives_the_values_planted_in_it():

@@ -123,31 +123,85 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def _job(x3: np.ndarray, centre: float, histogram: bool, relu: bool, threads: int) -> tuple[_Job, dict]:
-    """A job for the kernel and the views of its results. A large tensor is cut into a piece per
-    thread (along `before`, or along `after` for a whole tensor read as one unit); the outputs have
-    a row per piece, merged into row 0 by the kernel. The caller keeps `x3` alive until it has run."""
-    before, units, after = x3.shape
-    cut = x3.size >= SPLIT and (before >= threads or (before, units) == (1, 1))
-    pieces = threads if cut else 1
-    # the outputs in one allocation (one call instead of three: this runs per tensor read), the
-    # tensor's TOTALS (`reduce_many`) first; the kernel sets every value it gives, so none is zeroed
-    t, n64, nint = len(TOTALS), pieces * F64_ROWS * units, pieces * (3 * units + bins.N_BINS + 2)
-    block = np.empty(8 * (t + n64 + nint) + 4 * pieces * 3 * units, np.uint8)
-    at = _address(block)
-    f64 = block[8 * t: 8 * (t + n64)].view(np.float64).reshape(pieces, F64_ROWS, units)
-    i64 = block[8 * (t + n64): 8 * (t + n64 + nint)].view(np.int64).reshape(pieces, -1)
-    f32 = block[8 * (t + n64 + nint):].view(np.float32).reshape(pieces, 3, units)
-    job = _Job(_address(x3), before, units, after, centre, pieces, relu, histogram, 0,
-               at + 8 * t, at + 8 * (t + n64 + nint), at + 8 * (t + n64), at)
-    (d, f, i) = (f64[0], f32[0], i64[0])
-    out = {"unit_sum": d[0], "unit_sumsq": d[1], "unit_min": f[0], "unit_max": f[1], "unit_min_dev": f[2],
-           "unit_zero": i[:units], "unit_count": i[units: 2 * units], "hist": i[3 * units: -2] if histogram else None,
-           "nan_count": i[-2:-1], "inf_count": i[-1:], "unit_sum3": d[4], "unit_sum4": d[5],
-           "totals": block[:8 * t].view(np.float64),
-           "relu": {"unit_sum": d[2], "unit_sumsq": d[3], "unit_zero": i[2 * units: 3 * units], "unit_sum3": d[6],
-                    "unit_sum4": d[7]} if relu else None}
-    return job, out
+_JOBS = np.dtype(_Job)  # a job table built column by column, as numpy arrays
+_T = len(TOTALS)
+
+
+class _Layout:
+    """A batch's jobs laid out once for tensors of these (before, units, after) shapes, histogram
+    and relu flags, and thread count: the job table (its columns set as numpy arrays), where each
+    job's outputs lie in one block of float64 words (TOTALS rows first, then per job its f64, i64
+    and f32 rows, a row per piece), and the views a call hands back (`outputs`). A model's batches
+    repeat from one reading to the next, so a reading builds no job, nor allocates per tensor."""
+
+    def __init__(self, threads: int, shapes: tuple, flags: tuple):
+        n = len(shapes)
+        before, units, after = np.array(shapes, np.int64).reshape(n, 3).T
+        hist, relu = np.array(flags, bool).reshape(n, 2).T
+        size = before * units * after
+        pieces = np.where((size >= SPLIT) & ((before >= threads) | ((before == 1) & (units == 1))), threads, 1)
+        wide = 3 * units + bins.N_BINS + 2
+        words = pieces * (F64_ROWS * units + wide + (3 * units + 1) // 2)  # f64, i64, f32 rows (8-byte words)
+        start = _T * n + np.cumsum(words) - words  # each job's first word, after the TOTALS rows
+        i64 = start + pieces * F64_ROWS * units
+        f32 = i64 + pieces * wide
+        self.words, self.pieces, self.values = int(_T * n + words.sum()), int(pieces.sum()), int(size.sum())
+        self.table = np.zeros(n * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
+        self.jobs = self.table.view(_JOBS)
+        self.jobs["before"], self.jobs["units"], self.jobs["after"], self.jobs["pieces"] = before, units, after, pieces
+        self.jobs["hist"], self.jobs["relu"] = hist, relu
+        self.offsets = [8 * _T * np.arange(n), 8 * start, 8 * i64, 8 * f32]  # totals, f64, i64, f32 (bytes)
+        self.views = [_views(k, *job) for k, job in enumerate(zip(
+            units.tolist(), start.tolist(), i64.tolist(), (2 * f32).tolist(), hist.tolist(), relu.tolist()))]
+
+    def run(self, addresses: list[int], centres, block: np.ndarray) -> None:
+        """The jobs on `addresses` (the caller keeps them alive), outputs in `block` (`words` float64)."""
+        jobs, at = self.jobs, _address(block)
+        jobs["x"], jobs["centre"], jobs["done"] = addresses, centres, 0
+        jobs["totals"], jobs["f64"], jobs["i64"], jobs["f32"] = (at + o for o in self.offsets)
+        _dispatch(_address(self.table), len(jobs), self.pieces, self.values)
+
+    def outputs(self, block: np.ndarray) -> list[dict]:
+        """Each job's results, named as `reduce_f32` gives them: views of `block`."""
+        regions = (block, block.view(np.int64), block.view(np.float32))
+        out = []
+        for main, relu in self.views:
+            made = {name: regions[r][a:b] for name, r, a, b in main}
+            made.setdefault("hist", None)
+            made["relu"] = None if relu is None else {name: regions[r][a:b] for name, r, a, b in relu}
+            out.append(made)
+        return out
+
+
+def _views(k: int, u: int, d: int, i: int, f: int, hist: bool, relu: bool) -> tuple[list, list | None]:
+    """Job k's results (its own and, with `relu`, relu(x)'s) as (name, region, first, end): region 0
+    float64 words (its f64 rows from word d, its TOTALS row), 1 int64 (its i64 rows from i), 2 float32
+    (its f32 rows from f); row 0 of its pieces', where the kernel merges them."""
+    def rows(region, at, names):
+        return [(name, region, at + n * u, at + (n + 1) * u) for n, name in enumerate(names) if name]
+    tail = i + 3 * u + bins.N_BINS  # after the histogram: the NaN and inf counts
+    own = rows(0, d, ("unit_sum", "unit_sumsq", None, None, "unit_sum3", "unit_sum4")) + \
+        rows(2, f, ("unit_min", "unit_max", "unit_min_dev")) + rows(1, i, ("unit_zero", "unit_count")) + \
+        [("nan_count", 1, tail, tail + 1), ("inf_count", 1, tail + 1, tail + 2),
+         ("totals", 0, _T * k, _T * (k + 1))] + ([("hist", 1, i + 3 * u, tail)] if hist else [])
+    of_relu = rows(0, d, (None, None, "unit_sum", "unit_sumsq", None, None, "unit_sum3", "unit_sum4")) + \
+        rows(1, i, (None, None, "unit_zero"))
+    return own, (of_relu if relu else None)
+
+
+_layouts = threading.local()  # `kept`: this thread's {(threads, shapes, flags): _Layout}; `totals`: reduce_totals'
+
+
+def _layout(shapes: tuple, flags: tuple) -> _Layout:
+    """This thread's layout of a batch of these shapes and flags (built at its first call)."""
+    kept = getattr(_layouts, "kept", None)
+    if kept is None or len(kept) > 256:  # a model's batches are few; anything else is not kept long
+        kept = _layouts.kept = {}
+    key = (_threads(), shapes, flags)
+    layout = kept.get(key)
+    if layout is None:
+        layout = kept[key] = _Layout(*key)
+    return layout
 
 
 def _threads() -> int:
@@ -195,55 +249,28 @@ def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> 
 
 def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]:
     """`reduce_f32` of every (x3, centre, histogram, relu) task on all threads at once: the tasks,
-    and large tensors cut in pieces, are shared among the threads. Each result also holds `totals`:
-    the tensor's `TOTALS`."""
+    and large tensors cut in pieces, are shared among the threads, their outputs in one block.
+    Each result also holds `totals`: the tensor's `TOTALS`."""
     if not tasks:
         return []
-    threads = _threads()
-    made = [_job(*task, threads) for task in tasks]
-    jobs = (_Job * len(made))(*(job for job, _ in made))
-    _dispatch(ctypes.addressof(jobs), len(made), sum(job.pieces for job in jobs), sum(t[0].size for t in tasks))
-    return [out for _, out in made]
-
-
-_JOBS = np.dtype(_Job)  # a job table built column by column, as numpy arrays
+    layout = _layout(tuple(task[0].shape for task in tasks), tuple((task[2], task[3]) for task in tasks))
+    block = np.empty(layout.words)  # fresh: the results are views of it, kept by the readings
+    layout.run([_address(task[0]) for task in tasks], [task[1] for task in tasks], block)
+    return layout.outputs(block)
 
 
 def reduce_totals(addresses: list[int], sizes: list[int]) -> list[list[float]]:
     """Whole-tensor statistics (one unit, no histogram) of many C-contiguous float32 buffers (their
     data addresses and lengths; the caller keeps them alive) in one batch: per buffer, its `TOTALS`.
-    For the many small tensors of a per-step gradient reading, where building a job per tensor
-    would cost more than reducing it, the job table and outputs are whole arrays, kept from one call
-    to the next of the same sizes (each step's gradients have their parameters' sizes)."""
-    key, layout = (_threads(), tuple(sizes)), getattr(_layouts, "last", None)
-    if layout is None or layout[0] != key:  # the threads too: they say which buffers are cut in pieces
-        layout = _layouts.last = (key, *_totals_layout(*key))
-    _, table, jobs, rows, totals, _scratch = layout
-    jobs["x"], jobs["done"] = addresses, 0
-    _dispatch(_address(table), len(sizes), rows, sum(sizes))
-    return totals.tolist()
-
-
-_layouts = threading.local()  # `last`: this thread's ((threads, sizes), `_totals_layout`) of `reduce_totals`
-
-
-def _totals_layout(threads: int, sizes: tuple[int, ...]) -> tuple:
-    """`reduce_totals`' job table for buffers of these sizes, one unit each, a large one cut in a
-    piece per thread; how many pieces; the buffers' TOTALS it fills (a row each); and the pieces'
-    rows of per-unit outputs (which the kernel sets before it adds to them, as it merges them)."""
-    sizes = np.asarray(sizes, np.int64)
-    pieces = np.where(sizes >= SPLIT, threads, 1).astype(np.int32)
-    first = np.cumsum(pieces) - pieces
-    rows, width = int(pieces.sum()), 3 + bins.N_BINS + 2
-    f64, f32, i64 = np.empty((rows, F64_ROWS)), np.empty((rows, 3), np.float32), np.empty((rows, width), np.int64)
-    totals = np.empty((len(sizes), len(TOTALS)))
-    table = np.zeros(len(sizes) * _JOBS.itemsize, np.uint8)  # its address without a structured dtype's costly descr
-    jobs = table.view(_JOBS)
-    jobs["before"], jobs["units"], jobs["after"], jobs["pieces"] = 1, 1, sizes, pieces
-    jobs["f64"], jobs["f32"] = _address(f64) + 8 * F64_ROWS * first, _address(f32) + 12 * first
-    jobs["i64"] = _address(i64) + 8 * width * first
-    jobs["totals"] = _address(totals) + totals.strides[0] * np.arange(len(sizes))
-    return table, jobs, rows, totals, (f64, f32, i64)
+    For the many small tensors of a per-step gradient reading the layout and its outputs are kept
+    from one call to the next of the same sizes (each step's gradients have their parameters')."""
+    key, last = (_threads(), tuple(sizes)), getattr(_layouts, "totals", None)
+    if last is None or last[0] != key:
+        layout = _Layout(key[0], tuple((1, 1, size) for size in sizes), ((False, False),) * len(sizes))
+        last = _layouts.totals = (key, layout, np.empty(layout.words))
+    _, layout, block = last
+    layout.run(addresses, 0.0, block)
+    return block[:_T * len(sizes)].reshape(-1, _T).tolist()
 
 
 def reduce_f32(x3: np.ndarray, centre: float, histogram: bool, relu: bool = False) -> dict:

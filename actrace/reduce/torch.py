@@ -499,6 +499,7 @@ def _finish(p: Pending, v: dict) -> Reading | None:
             return None
         shape = (kept, *shape[1:])
         v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - (p.rows - kept) * math.prod(shape[1:])
+        v.pop("totals", None)  # which count those NaN: the totals follow from the columns instead
     if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
         finite, nan = np.asarray(v["unit_count"]).sum(), np.asarray(v["nan_count"]).sum()
         v["inf_count"] = math.prod(shape) - int(finite) - int(nan)
