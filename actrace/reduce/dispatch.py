@@ -59,9 +59,10 @@ def reduce_arrays(tensors: list[tuple]) -> list[Reading]:
             sums = st.pop("relu")
             if bounds is not None:
                 st["sat_counts"] = sat_counts(x3, bounds)
+            out.append(Reading.from_kernel(st, **meta))
         else:
             st, sums = reference(x3, 1, bounds=bounds, histogram=histogram), None
-        out.append(Reading.from_stats(st, **meta))
+            out.append(Reading.from_stats(st, **meta))
         if relu is not None:
             relu_meta = dict(meta, layer=relu, kind="relu", bounds=None)
             if sums is not None and not (st["nan_count"].any() or st["inf_count"].any()):

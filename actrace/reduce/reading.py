@@ -103,6 +103,27 @@ class Reading:
                 setattr(r, name, outward(value, _OUTWARD[name]) if name in _OUTWARD else value.astype(dtype, copy=False))
         return r
 
+    @classmethod
+    def from_kernel(cls, st: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
+                    **meta) -> "Reading":
+        """`from_stats` of the C kernel's results (`kernel.reduce_many`, with `sat_counts` of a bounded
+        kind): its TOTALS row and its per-unit views, one-dimensional and of the columns' types,
+        taken as they are. A probe reading makes one per tensor, where `from_stats`' checks and
+        conversions of each column cost a deep model's reading more than a tenth of its time."""
+        total, squares, sum3, sum4, lo, hi, zeros, nans, infs = st["totals"].tolist()
+        unit_axis = None if unit_axis is None else unit_axis % len(shape)
+        sat = st.get("sat_counts")
+        r = cls(shape=tuple(shape), unit_axis=unit_axis, units=1 if unit_axis is None else int(shape[unit_axis]),
+                count=math.prod(shape), nan_count=int(nans), inf_count=int(infs), zero_count=int(zeros), sum=total,
+                sumsq=squares, min=lo, max=hi, sum3=sum3, sum4=sum4, hist=st["hist"],
+                sat_counts=None if sat is None else np.asarray(sat, np.int64), **meta)
+        if per_unit:
+            c = centre(meta.get("bounds"))
+            r.unit_count, r.unit_zero, r.unit_sum, r.unit_sumsq, r.unit_min, r.unit_max = (
+                st[name] for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "unit_min", "unit_max"))
+            r.unit_min_dev = outward(_one_sided(st, c), -np.inf) if c else st["unit_min_dev"]
+        return r
+
 
 # what each step gives a layer-level reading; the rest of it is fixed by its tensor (`table.LayerRows`)
 LAYER_VALUES = ("nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max")

@@ -52,6 +52,7 @@ class Pending:
     per_unit: bool = True
     stats: dict = field(default_factory=dict)
     relu: dict | None = None  # the statistics of relu(x), when the pass was asked for them
+    reading: Reading | None = None  # made already, from the C kernel's results (`_kernel_stats`); named at `_finish`
     rows: int | None = None  # the entries of the first axis before a device left out some (`rows`)
     histogram: bool = False  # whether a fused kernel's buffer (stats["fused"]) holds the histogram
 
@@ -196,17 +197,21 @@ def _kernel_view(pending: Pending, x: torch.Tensor, axis: int) -> np.ndarray:
 
 
 def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
-    """The kernel's statistics into the pending reading, with the saturation counts of a bounded
-    kind, and relu(x)'s where the pass gave them and x holds no NaN or Inf."""
+    """The kernel's statistics as the pending reading's `Reading` (`Reading.from_kernel`), with the
+    saturation counts of a bounded kind, and relu(x)'s where the pass gave them and x holds no NaN or
+    Inf; as its statistics where `_prepared` took some already (`kept_rows`: `_finish` needs them)."""
     relu = st.pop("relu")
-    stats = {k: v for k, v in st.items() if v is not None}
-    if pending.stats:  # what `_prepared` took already (`kept_rows`)
-        stats.update(pending.stats)
-    pending.stats = stats
     if pending.bounds is not None and pending.per_unit:
-        pending.stats["sat_counts"] = sat_counts(view, pending.bounds)
+        st["sat_counts"] = sat_counts(view, pending.bounds)
     if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
-        pending.relu = relu_stats(pending.stats, relu)
+        pending.relu = relu_stats(st, relu)
+    if pending.stats:
+        pending.stats.update((k, v) for k, v in st.items() if v is not None)
+    else:
+        pending.reading = Reading.from_kernel(st, shape=pending.shape, unit_axis=pending.unit_axis,
+                                              per_unit=pending.per_unit, layer=pending.layer, kind=pending.kind,
+                                              stream=pending.stream, dtype=pending.dtype, bounds=pending.bounds,
+                                              param=pending.param)
 
 
 def _beside(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) -> Pending:
@@ -490,6 +495,9 @@ def on_device(v) -> bool:
 
 def _finish(p: Pending, v: dict) -> Reading | None:
     """The reading from its statistics on the host; None where a device left out every row."""
+    if p.reading is not None:
+        p.reading.layer = p.layer  # the name the trace settled on
+        return p.reading
     shape = p.shape
     if "fused" in v:
         v.update(fused.unpack(v.pop("fused"), p.histogram, p.bounds is not None))
