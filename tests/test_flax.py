@@ -334,3 +334,28 @@ def test_a_flax_script_under_actrace_record_writes_where_it_is_told(tmp_path, cl
     meta = metadata.read(out)
     assert meta["run_name"] == "flax-rec" and '"lr": 0.1' in meta["config"] and meta["framework"] == "jax"
     assert [(r["layer"], r["kind"]) for r in actrace.read_table(out).to_pylist()] == [("linear", "linear")]
+
+
+def test_gradient_leaves_are_read_as_each_step_gives_them_whatever_tree_comes(tmp_path):
+    """Gradients made by construction, not by a backward: each step's leaves read as they hold then
+    (a NaN planted at step 1), a tree of other leaves (step 2: one layer's) read as that tree, a
+    non-floating leaf skipped, and the layer kinds of the probe's trace given to every step's rows."""
+    params = Head().init(jax.random.PRNGKey(0), jnp.ones((2, 3)))["params"]
+    x = np.ones((4, 3), np.float32)
+
+    def made(step):
+        return jax.tree_util.tree_map(lambda p: jnp.full(p.shape, step + 1.0, jnp.float32), params)
+
+    with Monitor(Head(), x, tmp_path / "g.parquet", probe_every=100) as mon:
+        mon.step(0, params=params, grads=made(0))
+        planted = made(1)
+        planted["fc"]["kernel"] = planted["fc"]["kernel"].at[0, 0].set(jnp.nan)
+        mon.step(1, grads=planted)
+        mon.step(2, grads={"out": made(2)["out"], "count": jnp.arange(3)})
+    rows = [r for r in actrace.read_table(tmp_path / "g.parquet").to_pylist() if r["stream"] == "param_grad"]
+    got = {(r["step"], r["layer"], r["param"]): (r["kind"], r["nan_count"], r["sum"], r["count"]) for r in rows}
+    size = {(layer, p): int(np.size(v)) for layer, leaves in params.items() for p, v in leaves.items()}
+    want = {(s, layer, p): ("linear", int(s == 1 and (layer, p) == ("fc", "kernel")),
+                            (s + 1.0) * (size[layer, p] - int(s == 1 and (layer, p) == ("fc", "kernel"))), size[layer, p])
+            for s in range(3) for layer, p in size if s < 2 or layer == "out"}
+    assert got == want

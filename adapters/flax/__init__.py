@@ -75,6 +75,7 @@ class Monitor(Recorder):
             overwrite=overwrite, flush_every=flush_every)
         self.trace: ProbeTrace | None = None
         self.params = None
+        self._plans: dict = {}  # a gradient tree's leaves to read (`_plan`), by structure, dtypes and trace
 
     def _state(self, params):
         """The forward's first argument: a linen model's variables, an nnx model's state."""
@@ -133,13 +134,22 @@ class Monitor(Recorder):
         `param_grad`, of that module's kind where the probe trace knows it."""
         if self.trace is None and (self.nnx or self.params is not None):
             self.trace = self._trace(self._state(self.params))  # the kinds of the layers, and their order
+        leaves, tree = jax.tree_util.tree_flatten(grads)
+        key = (tree, tuple(g.dtype for g in leaves), self.trace)
+        if key not in self._plans:
+            self._plans[key] = self._plan(grads)
+        return self.write_gradients(step, [(leaves[i], *names) for i, *names in self._plans[key]])
+
+    def _plan(self, grads) -> list[tuple]:
+        """(leaf index, layer, param, kind) of each leaf of `grads` that is read (floating, selected):
+        decided once per tree structure, dtypes and trace, as each step's gradients repeat them."""
         kinds = self.trace.kinds if self.trace is not None else {}
-        read = []
-        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        plan = []
+        for i, (path, g) in enumerate(jax.tree_util.tree_flatten_with_path(grads)[0]):
             layer, param = leaf_names(path)
             if jax.numpy.issubdtype(g.dtype, jax.numpy.floating) and self.wanted(layer):
-                read.append((g, layer, param, kinds.get(layer, "other")))
-        return self.write_gradients(step, read)
+                plan.append((i, layer, param, kinds.get(layer, "other")))
+        return plan
 
     def step(self, step: int, *, params=None, grads=None) -> None:
         """Call once per training step: a gradient reading of `grads` and a probe reading with
