@@ -7,6 +7,7 @@ Run: .venv/bin/python bench/bench_core.py
 """
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +76,10 @@ def main() -> None:
         x3 = rng.normal(size=shape).astype(np.float32)
         row = [best_of(lambda: kernel.reduce_many([(x3, 0.0, hist, relu)])) / x3.size * 1e9 for hist in (True, False)]
         print(f"  {name:<38} {row[0]:6.3f} with histogram, {row[1]:6.3f} without")
+    small = [(rng.normal(size=(2, 64)).astype(np.float32), 1, "linear", dict(layer=f"l{i}")) for i in range(13)]
+    per_tensor = statistics.median(best_of(lambda: reduce_arrays(small), 50) for _ in range(5)) / len(small)
+    print(f"Python around each tensor of a batch (reduce_arrays of 13 tensors of 2x64: a deep model's layer, "
+          f"the kernel's own work negligible): {per_tensor * 1e6:.1f} us a tensor")
     print("one tensor on two Python threads (no OpenMP team in this process) against one, us "
           f"(kernel.POOL_SPLIT = {kernel.POOL_SPLIT:,} values: below it, one)")
     for n in (1 << 16, 1 << 18, 1 << 20, 1 << 22):
