@@ -151,14 +151,20 @@ class _Layout:
         self.jobs["before"], self.jobs["units"], self.jobs["after"], self.jobs["pieces"] = before, units, after, pieces
         self.jobs["hist"], self.jobs["relu"] = hist, relu
         self.offsets = [8 * _T * np.arange(n), 8 * start, 8 * i64, 8 * f32]  # totals, f64, i64, f32 (bytes)
+        self.at = None  # the block the outputs' pointers point into now
         self.views = [_views(k, *job) for k, job in enumerate(zip(
             units.tolist(), start.tolist(), i64.tolist(), (2 * f32).tolist(), hist.tolist(), relu.tolist()))]
 
-    def run(self, addresses: list[int], centres, block: np.ndarray) -> None:
-        """The jobs on `addresses` (the caller keeps them alive), outputs in `block` (`words` float64)."""
+    def run(self, addresses: list[int], block: np.ndarray, centres=None) -> None:
+        """The jobs on `addresses` (the caller keeps them alive), outputs in `block` (`words` float64),
+        |h - c| measured from `centres` (else 0)."""
         jobs, at = self.jobs, _address(block)
-        jobs["x"], jobs["centre"], jobs["done"] = addresses, centres, 0
-        jobs["totals"], jobs["f64"], jobs["i64"], jobs["f32"] = (at + o for o in self.offsets)
+        jobs["x"], jobs["done"] = addresses, 0
+        if centres is not None:
+            jobs["centre"] = centres
+        if at != self.at:  # the outputs' pointers, unless in the block of the last call (`reduce_totals`' own)
+            self.at = at
+            jobs["totals"], jobs["f64"], jobs["i64"], jobs["f32"] = (at + o for o in self.offsets)
         _dispatch(_address(self.table), len(jobs), self.pieces, self.values)
 
     def outputs(self, block: np.ndarray) -> list[dict]:
@@ -255,7 +261,7 @@ def reduce_many(tasks: list[tuple[np.ndarray, float, bool, bool]]) -> list[dict]
         return []
     layout = _layout(tuple(task[0].shape for task in tasks), tuple((task[2], task[3]) for task in tasks))
     block = np.empty(layout.words)  # fresh: the results are views of it, kept by the readings
-    layout.run([_address(task[0]) for task in tasks], [task[1] for task in tasks], block)
+    layout.run([_address(task[0]) for task in tasks], block, [task[1] for task in tasks])
     return layout.outputs(block)
 
 
@@ -269,7 +275,7 @@ def reduce_totals(addresses: list[int], sizes: list[int]) -> list[list[float]]:
         layout = _Layout(key[0], tuple((1, 1, size) for size in sizes), ((False, False),) * len(sizes))
         last = _layouts.totals = (key, layout, np.empty(layout.words))
     _, layout, block = last
-    layout.run(addresses, 0.0, block)
+    layout.run(addresses, block)
     return block[:_T * len(sizes)].reshape(-1, _T).tolist()
 
 
