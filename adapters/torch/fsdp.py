@@ -101,6 +101,11 @@ class FlatShards:
         flat, i, group = self.of[p]
         return None if flat.grad is None else self._piece(flat.grad, flat, i, group)
 
+    def grads(self, params: list) -> list:
+        """`grad` of each of `params`: their own `.grad` where none is FSDP1-sharded (the usual case,
+        read at every step: no lookup per parameter)."""
+        return [self.grad(p) for p in params] if self.of else [p.grad for p in params]
+
     def value(self, p: nn.Parameter):
         """p as read: a `Piece` of its unit's shard, or p itself."""
         if p not in self.of:

@@ -70,7 +70,7 @@ class Gradients:
     def _present(self) -> tuple[list, list[dict]]:
         """The gradients there are and their metas: the same list for the same parameters, step after
         step, which a writer's rows for the last step's fit at once."""
-        grads = [p.grad for *_, p in self.params] if not self.flat.of else [self.flat.grad(p) for *_, p in self.params]
+        grads = self.flat.grads([p for *_, p in self.params])
         if any(g is None for g in grads):
             key = tuple(i for i, g in enumerate(grads) if g is not None)
             grads = [g for g in grads if g is not None]
