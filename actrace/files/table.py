@@ -61,16 +61,16 @@ class LayerRows:
     def __init__(self, batch: LayerTotals, readings: list[Reading], run: str, layer_indexes: list[int],
                  probe_fingerprints: list[str | None]):
         made = [row(r, run, 0, i, None, f, 0.0) for r, i, f in zip(readings, layer_indexes, probe_fingerprints)]
-        self.batch, self.layer_indexes = batch, layer_indexes
+        self.tensors, self.layer_indexes = (batch.metas, batch.shapes, batch.dtypes), layer_indexes
         self.keys = [(r.layer, r.stream, r.param) for r in readings]
         self.streams = {r.stream for r in readings}
         self._fixed = [(m[0], m[2], m[4], m[len(_CONTEXT): _VALUES], m[_VALUES + len(LAYER_VALUES):]) for m in made]
 
     def fits(self, batch: LayerTotals, layer_indexes: list[int]) -> bool:
         """Whether `batch` is of the tensors these rows were made for."""
-        b = self.batch
-        return (b.metas is batch.metas or b.metas == batch.metas) and b.shapes == batch.shapes and \
-            b.dtypes == batch.dtypes and self.layer_indexes == layer_indexes
+        metas, shapes, dtypes = self.tensors
+        return (metas is batch.metas or metas == batch.metas) and shapes == batch.shapes and \
+            dtypes == batch.dtypes and self.layer_indexes == layer_indexes
 
     def rows(self, batch: LayerTotals, step: int, mode: str | None, wall_time: float, kept: list[int]) -> list[tuple]:
         """The `row`s of the readings `kept` (their positions) of this step's `batch`."""
