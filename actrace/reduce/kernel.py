@@ -235,7 +235,11 @@ def _on_threads(fn, address, data, values: int) -> None:
     else:
         helper = _pool.submit(fn, data)
         fn(data)
-        helper.result()
+        try:
+            helper.result()
+        except KeyboardInterrupt:  # its share done first: the next call reuses the job table it reads
+            helper.result()
+            raise
 
 
 def attention_scores(x: np.ndarray, lowest: float, reach: int | None = None) -> tuple[np.ndarray, ...]:

@@ -75,7 +75,7 @@ class Monitor(Recorder):
             overwrite=overwrite, flush_every=flush_every)
         self.trace: ProbeTrace | None = None
         self.params = None
-        self._plans: dict = {}  # a gradient tree's leaves to read (`_plan`), by structure, dtypes and trace
+        self._plans: dict = {}  # a gradient tree's leaves to read (`_plan`), by structure, dtypes, trace, selection
 
     def _state(self, params):
         """The forward's first argument: a linen model's variables, an nnx model's state."""
@@ -135,14 +135,16 @@ class Monitor(Recorder):
         if self.trace is None and (self.nnx or self.params is not None):
             self.trace = self._trace(self._state(self.params))  # the kinds of the layers, and their order
         leaves, tree = jax.tree_util.tree_flatten(grads)
-        key = (tree, tuple(g.dtype for g in leaves), self.trace)
+        key = (tree, tuple(g.dtype for g in leaves), self.trace, self.include, self.exclude)
         if key not in self._plans:
+            if len(self._plans) >= 64:  # a loop's trees are few; one whose tree changes each step keeps none long
+                self._plans.clear()
             self._plans[key] = self._plan(grads)
         return self.write_gradients(step, [(leaves[i], *names) for i, *names in self._plans[key]])
 
     def _plan(self, grads) -> list[tuple]:
         """(leaf index, layer, param, kind) of each leaf of `grads` that is read (floating, selected):
-        decided once per tree structure, dtypes and trace, as each step's gradients repeat them."""
+        decided once per tree structure, dtypes, trace and selection, as each step's gradients repeat them."""
         kinds = self.trace.kinds if self.trace is not None else {}
         plan = []
         for i, (path, g) in enumerate(jax.tree_util.tree_flatten_with_path(grads)[0]):
