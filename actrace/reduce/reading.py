@@ -74,24 +74,19 @@ class Reading:
                    **meta) -> "Reading":
         """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
         `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
-        totals follow from them (spec §Columns), or are given as `totals` (the kernel's `TOTALS`,
-        counts of NaN and inf included).
+        totals follow from them (spec §Columns); the C kernel's results take `from_kernel`.
         Without `per_unit` only the totals are kept. Float64 extremes are rounded outward to float32,
         so a nonzero value never becomes 0."""
         v = {k: x if type(x) is np.ndarray else np.asarray(x) for k, x in stats.items() if x is not None}
-        given = v.pop("totals", None)
-        if given is not None:
-            total, squares, sum3, sum4, lo, hi, zeros, nans, infs = given.tolist()
-        else:  # units with no finite value hold NaN extremes, which fmin/fmax pass over
-            total, squares, zeros = float(_add(v["unit_sum"])), float(_add(v["unit_sumsq"])), _add(v["unit_zero"])
-            lo, hi = float(np.fmin.reduce(v["unit_min"], axis=None)), float(np.fmax.reduce(v["unit_max"], axis=None))
-            sum3 = float(_add(v["unit_sum3"])) if "unit_sum3" in v else None
-            sum4 = float(_add(v["unit_sum4"])) if "unit_sum4" in v else None
-            nans, infs = _add(v["nan_count"]), _add(v["inf_count"])
+        # units with no finite value hold NaN extremes, which fmin/fmax pass over
+        total, squares, zeros = float(_add(v["unit_sum"])), float(_add(v["unit_sumsq"])), _add(v["unit_zero"])
+        lo, hi = float(np.fmin.reduce(v["unit_min"], axis=None)), float(np.fmax.reduce(v["unit_max"], axis=None))
+        sum3 = float(_add(v["unit_sum3"])) if "unit_sum3" in v else None
+        sum4 = float(_add(v["unit_sum4"])) if "unit_sum4" in v else None
         unit_axis = None if unit_axis is None else unit_axis % len(shape)
         r = cls(shape=tuple(map(int, shape)), unit_axis=unit_axis,
                 units=1 if unit_axis is None else int(shape[unit_axis]), count=math.prod(shape),
-                nan_count=int(nans), inf_count=int(infs), zero_count=int(zeros),
+                nan_count=int(_add(v["nan_count"])), inf_count=int(_add(v["inf_count"])), zero_count=int(zeros),
                 sum=total, sumsq=squares, min=lo, max=hi, sum3=sum3, sum4=sum4,
                 hist=v["hist"].astype(np.int64, copy=False) if "hist" in v else None,
                 sat_counts=v["sat_counts"].astype(np.int64, copy=False) if "sat_counts" in v else None, **meta)

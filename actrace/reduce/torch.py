@@ -205,8 +205,8 @@ def _kernel_stats(pending: Pending, view: np.ndarray, st: dict) -> None:
         st["sat_counts"] = sat_counts(view, pending.bounds)
     if relu is not None and not (st["nan_count"].any() or st["inf_count"].any()):
         pending.relu = relu_stats(st, relu)
-    if pending.stats:
-        pending.stats.update((k, v) for k, v in st.items() if v is not None)
+    if pending.stats:  # its TOTALS row left out: it counts the left-out rows' NaN (`_finish` takes them out)
+        pending.stats.update((k, v) for k, v in st.items() if v is not None and k != "totals")
     else:
         pending.reading = Reading.from_kernel(st, shape=pending.shape, unit_axis=pending.unit_axis,
                                               per_unit=pending.per_unit, layer=pending.layer, kind=pending.kind,
@@ -507,7 +507,6 @@ def _finish(p: Pending, v: dict) -> Reading | None:
             return None
         shape = (kept, *shape[1:])
         v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - (p.rows - kept) * math.prod(shape[1:])
-        v.pop("totals", None)  # which count those NaN: the totals follow from the columns instead
     if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
         finite, nan = np.asarray(v["unit_count"]).sum(), np.asarray(v["nan_count"]).sum()
         v["inf_count"] = math.prod(shape) - int(finite) - int(nan)
