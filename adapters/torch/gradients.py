@@ -30,6 +30,7 @@ class Gradients:
         self.forward, self.scaler, self.due, self.flat = forward, scaler, due, flat
         self.params, self.aliases = _parameters(layers, flat)
         self._metas = [param_grad_meta(name, pname, kind) for name, kind, pname, _ in self.params]
+        self._tensors = [p for *_, p in self.params]  # whose gradients each step reads (`_present`)
         self._present_key, self._present_metas = None, self._metas
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
         self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
@@ -70,7 +71,7 @@ class Gradients:
     def _present(self) -> tuple[list, list[dict]]:
         """The gradients there are and their metas: the same list for the same parameters, step after
         step, which a writer's rows for the last step's fit at once."""
-        grads = self.flat.grads([p for *_, p in self.params])
+        grads = self.flat.grads(self._tensors)
         if any(g is None for g in grads):
             key = tuple(i for i, g in enumerate(grads) if g is not None)
             grads = [g for g in grads if g is not None]
