@@ -87,8 +87,6 @@ def test_the_float32_fast_histogram_equals_the_definition(x):
     np.testing.assert_array_equal(bins.histogram_float32(x, zeros), bins.histogram_exact(x))
 
 
-
-
 def test_gradients_read_in_one_batch_are_the_gradients_read_one_by_one(tmp_path):
     """`gradient_totals` (the Keras and Flax adapters' per-step gradient reading: one kernel batch, no
     Reading per gradient) gives each gradient's layer-level reading as `reduce_arrays` of its
