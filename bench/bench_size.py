@@ -4,8 +4,9 @@ Each model trains (SGD) between readings, so readings change as in a real run; a
 default probe reading (every layer the default selects, per-unit columns and histograms) and
 TensorBoard `add_histogram` of the same layer outputs. Printed: bytes per reading of each and the
 ratio, then the same actrace table rewritten with other Parquet settings (what each buys) and as
-a 2.0 proposal would store it (`without_min_dev`).
-Run: .venv/bin/python bench/bench_size.py [--readings N]
+a 2.0 proposal would store it (`without_min_dev`). Each model is recorded at each `--readings` count:
+a trace of few readings compresses worse per reading (zstd finds less that readings share).
+Run: .venv/bin/python bench/bench_size.py [--readings N [N ...]]
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from bench_torch import MODELS, tensorboard_hooks  # noqa: E402
 from actrace.adapters.torch import Monitor  # noqa: E402
 from actrace.files.writer import PARQUET_OPTIONS  # noqa: E402
 
-VARIANTS = {  # name: Parquet options over the writer's (zstd 3, floats byte-stream-split)
-    "plain floats (before)": dict(use_byte_stream_split=False),
+VARIANTS = {  # name: Parquet options over the writer's (zstd 3, floats byte-stream-split, 8 MiB pages)
+    "plain floats": dict(use_byte_stream_split=False),
+    "1 MiB pages (before)": dict(data_page_size=1 << 20),
     "zstd 9": dict(compression_level=9),
 }
 
@@ -77,24 +79,24 @@ def without_min_dev(table: pa.Table) -> pa.Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readings", type=int, default=10)
+    parser.add_argument("--readings", type=int, nargs="+", default=[10, 40])
     args = parser.parse_args()
     torch.set_num_threads(2)
-    print(f"{'model':<18} {'actrace KiB':>11} {'TensorBoard KiB':>15} {'ratio':>6}   per reading; other Parquet settings:")
+    print(f"{'model':<18} {'readings':>8} {'actrace KiB':>11} {'TensorBoard KiB':>15} {'ratio':>6}   per reading; other Parquet settings:")
     for name, build in list(MODELS.items())[:3]:
-        with tempfile.TemporaryDirectory() as d:
-            d = Path(d)
-            ours, tb = record(build, args.readings, d)
-            table = pq.read_table(d / "t.parquet")
-            sizes = []
-            for variant, options in VARIANTS.items():
-                pq.write_table(table, d / "v.parquet", **{**PARQUET_OPTIONS, **options})
-                sizes.append(f"{variant} {(d / 'v.parquet').stat().st_size / args.readings / 1024:.0f}")
-            pq.write_table(without_min_dev(table), d / "v.parquet", **PARQUET_OPTIONS)
-            sizes.append(f"2.0 proposal {(d / 'v.parquet').stat().st_size / args.readings / 1024:.0f}")
-        print(f"{name:<18} {ours / args.readings / 1024:>11.0f} {tb / args.readings / 1024:>15.0f} "
-              f"{ours / tb:>5.2f}x   {'; '.join(sizes)}")
-
+        for readings in args.readings:
+            with tempfile.TemporaryDirectory() as d:
+                d = Path(d)
+                ours, tb = record(build, readings, d)
+                table = pq.read_table(d / "t.parquet")
+                sizes = []
+                for variant, options in VARIANTS.items():
+                    pq.write_table(table, d / "v.parquet", **{**PARQUET_OPTIONS, **options})
+                    sizes.append(f"{variant} {(d / 'v.parquet').stat().st_size / readings / 1024:.0f}")
+                pq.write_table(without_min_dev(table), d / "v.parquet", **PARQUET_OPTIONS)
+                sizes.append(f"2.0 proposal {(d / 'v.parquet').stat().st_size / readings / 1024:.0f}")
+            print(f"{name:<18} {readings:>8} {ours / readings / 1024:>11.0f} {tb / readings / 1024:>15.0f} "
+                  f"{ours / tb:>5.2f}x   {'; '.join(sizes)}")
 
 if __name__ == "__main__":
     main()
