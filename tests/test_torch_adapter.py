@@ -524,6 +524,56 @@ def test_gradient_readings_of_many_tensors_at_once_equal_the_reference(dtype, pa
             assert r.unit_sum is None and r.hist is None
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_a_gpu_s_per_unit_readings_of_many_tensors_are_one_batch_that_reads_each_as_alone(path, monkeypatch):
+    """`reduce_tensors` of a probe's tensors on one GPU (or, `triton`, CPU tensors standing in for a
+    GPU's, the fused kernels run by Triton's interpreter): one launch per kind of program (dtype,
+    units a program, histogram, saturation counts) for those one program per block of units reads
+    whole, the one cut among programs read alone; every reading equals the one `reduce_tensor` gives
+    that tensor alone, field by field, and holds the values planted in it (a NaN, an inf, a dead
+    unit, a unit pinned at tanh's bound)."""
+    from actrace.reduce import fused
+
+    if path == "triton":
+        monkeypatch.setattr(kernel, "available", False)
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype in (torch.float32, torch.float64))
+        monkeypatch.setattr(_torch_reduce, "on_device", lambda v: isinstance(v, torch.Tensor))
+    real, launches = fused._batch(), []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(fused, "_batch", Counted)
+    g = torch.Generator().manual_seed(0)
+    shapes = [((6, 5), -1, "linear", True, torch.float32), ((4, 3, 7), 1, "tanh", True, torch.float32),
+              ((2, 3, 7), 1, "tanh", True, torch.float32), ((9, 40), -1, "sigmoid", False, torch.float32),
+              ((5, 70), -1, "relu", True, torch.float64), ((40_000, 1), -1, "linear", True, torch.float32)]
+    tensors = [torch.randn(shape, generator=g, dtype=dtype) for shape, *_, dtype in shapes]
+    x = tensors[0]
+    x[:, 0], x[1, 1], x[2, 3] = 0.0, float("nan"), float("inf")
+    tensors[1][:, 2] = 1.0  # tanh's bound, at every entry of unit 2
+    if path == "cuda":
+        tensors = [t.cuda() for t in tensors]
+    calls = [(t, axis, kind, dict(layer=f"l{i}", histogram=histogram))
+             for i, (t, (_, axis, kind, histogram, _)) in enumerate(zip(tensors, shapes))]
+    batched = _torch_reduce.to_readings(_torch_reduce.reduce_tensors(calls))
+    assert len(launches) == 4  # float32 of 5, 3 (two tanh, one launch) and 40 units, float64 of 70
+    alone = [_torch_reduce.to_readings([_torch_reduce.reduce_tensor(t, axis, kind, **options)])[0]
+             for t, axis, kind, options in calls]
+    for a, b in zip(batched, alone):
+        for name, v in vars(a).items():
+            w = getattr(b, name)
+            assert np.array_equal(v, w, equal_nan=True) if isinstance(v, np.ndarray) else v == w or v != v and w != w, \
+                (a.layer, name)
+    first = batched[0]
+    assert (first.nan_count, first.inf_count, first.unit_zero[0], first.unit_max[0], first.unit_count[1]) == \
+        (1, 1, 6, 0.0, 5)
+    assert first.hist.sum() == 29 and first.hist[-1] == 1 and batched[3].hist is None  # all but the NaN; inf last
+    assert batched[1].sat_counts.sum() > 0 and (batched[1].unit_min[2], batched[1].unit_max[2]) == (1.0, 1.0)
+    assert batched[-1].count == 40_000 and batched[-1].hist.sum() == 40_000
+
+
 def test_the_trace_s_map_of_tensors_holds_none_alive_and_tells_a_new_tensor_at_a_reused_address_apart():
     """The axes' map keys tensors by identity without keeping them: a tensor's entry goes with it,
     and a tensor made later (CPython may give it the same id) is not taken for the one that went."""

@@ -841,6 +841,7 @@ def test_fused_gpu_kernels_that_fail_are_said_once_and_torch_kernels_read_instea
     monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.is_floating_point() and fused._failure is None)
     monkeypatch.setattr(fused, "_failure", None)
     monkeypatch.setattr(fused, "_kernel", broken)
+    monkeypatch.setattr(fused, "_batch", broken)
     monkeypatch.setattr(fused, "_totals", broken)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))

@@ -1,6 +1,7 @@
 """A GPU's reductions as Triton kernels: a probe reading's per-unit statistics in one pass over the
-tensor (`stats`: what `actrace.reduce.torch._masked` gives, the histogram and `sat_counts`), and a
-per-step gradient reading's layer totals of every gradient at once (`totals`), without a host sync.
+tensor (`stats`: what `actrace.reduce.torch._masked` gives, the histogram and `sat_counts`; `batch`:
+those of many tensors, one launch per kind of program), and a per-step gradient reading's layer
+totals of every gradient at once (`totals`), without a host sync.
 Torch kernels cost a launch each (~30 a per-unit reading, ~15 a gradient: bench/bench_device_ops.py),
 which outweighs the bytes read when a model's own kernels are fast (bench/bench_torch.py --device
 cuda). Where Triton is absent, or fails (said once), torch kernels read. On CPU tensors Triton's
@@ -24,6 +25,7 @@ from actrace.format.schema import SAT_COUNTS
 from .reference import centre, sat_levels
 
 tl = None  # triton.language, imported with the kernel (`_kernel`): a run on CPU never pays its import
+_tile = None  # `_tile_body` as Triton compiles it, which the per-unit kernels call (`_triton`)
 
 _HIST = 256  # the histogram's lanes: a power of two above bins.N_BINS
 _TOTALS = _HIST + 1 + len(SAT_COUNTS)  # per reading: the histogram, the NaN count, the saturation counts
@@ -70,15 +72,38 @@ def installed() -> bool:
 def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, span,
                   BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr,
                   NSAT: tl.constexpr, NLOW: tl.constexpr):
-    """One program: BLOCK_U units over `span` of the `rows` entries (before × after) each unit holds,
-    x a contiguous (before, units, after) tensor. Writes its partial per-unit numbers (sums in
-    float64, extremes of finite values, ±inf where none; counts through `counts_ptr`, the same memory
-    as int64) to out[split, 9, units]; adds its NaN count, histogram (if BINS) and saturation counts
-    (below and above `levels`, which ends with the centre of min |h - c|) to `totals`."""
-    u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
-    split = tl.program_id(1)
+    """One program: BLOCK_U units over `span` of the `rows` entries (before × after) each unit holds
+    (`_tile`), its partial per-unit numbers at out[split, 9, units]."""
+    split = tl.program_id(1).to(tl.int64)
+    _tile(x_ptr, edges_ptr, levels_ptr, out_ptr + split * 9 * units, counts_ptr + split * 9 * units, totals_ptr,
+          rows, units, after, split * span, span, tl.program_id(0) * BLOCK_U, BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
+
+
+def _batch_kernel(table_ptr, edges_ptr, words_ptr, DTYPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_U: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr, NSAT: tl.constexpr,
+                  NLOW: tl.constexpr):
+    """One program: BLOCK_U units of one tensor over all its entries (`_tile`); row p of `table` says
+    which: the tensor's address, its entries per unit, units, after, the first unit, where its words
+    start in `words` (9 × units, then its totals) and the address of its levels."""
+    row = table_ptr + 7 * tl.program_id(0).to(tl.int64)
+    x_ptr = tl.load(row).to(tl.pointer_type(DTYPE), bitcast=True)
+    rows, units, after, first_unit = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    words = words_ptr + tl.load(row + 5)
+    levels_ptr = tl.load(row + 6).to(tl.pointer_type(DTYPE), bitcast=True)
+    _tile(x_ptr, edges_ptr, levels_ptr, words.to(tl.pointer_type(tl.float64), bitcast=True), words, words + 9 * units,
+          rows, units, after, 0, rows, first_unit, BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
+
+
+def _tile_body(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, first, span,
+               first_unit, BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, HIST: tl.constexpr, BINS: tl.constexpr,
+               NSAT: tl.constexpr, NLOW: tl.constexpr):
+    """Units first_unit .. + BLOCK_U of x, a contiguous (before, units, after) tensor, over its entries
+    first .. first + span (of `rows`: before × after). Writes their per-unit numbers (sums in float64,
+    extremes of finite values, ±inf where none; counts through `counts_ptr`, the same memory as
+    int64) to out[9, units]; adds its NaN count, histogram (if BINS) and saturation counts (below and
+    above `levels`, which ends with the centre of min |h - c|) to `totals`."""
+    u = first_unit + tl.arange(0, BLOCK_U)
     um = u < units
-    first = split.to(tl.int64) * span
     s1 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
     s2 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
     s3 = tl.zeros([BLOCK_R, BLOCK_U], tl.float64)
@@ -123,7 +148,7 @@ def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr,
             else:
                 hit = m & (v >= tl.load(levels_ptr + i))
             sat += tl.where(lanes == i, tl.sum(tl.sum(hit.to(tl.int32), 1), 0), 0)
-    base = out_ptr + split.to(tl.int64) * 9 * units + u
+    base = out_ptr + u
     tl.store(base, tl.sum(s1, 0), mask=um)
     tl.store(base + units, tl.sum(s2, 0), mask=um)
     tl.store(base + 2 * units, tl.sum(s3, 0), mask=um)
@@ -131,7 +156,7 @@ def _stats_kernel(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr,
     tl.store(base + 4 * units, tl.min(lo, 0).to(tl.float64), mask=um)
     tl.store(base + 5 * units, tl.max(hi, 0).to(tl.float64), mask=um)
     tl.store(base + 6 * units, tl.min(dev, 0).to(tl.float64), mask=um)
-    counts = counts_ptr + split.to(tl.int64) * 9 * units + u  # the same memory, as int64
+    counts = counts_ptr + u  # the same memory, as int64
     tl.store(counts + 7 * units, tl.sum(count.to(tl.int64), 0), mask=um)
     tl.store(counts + 8 * units, tl.sum(zero.to(tl.int64), 0), mask=um)
     tl.atomic_add(totals_ptr + HIST, tl.sum(tl.sum(nan.to(tl.int64), 1), 0))
@@ -182,11 +207,12 @@ def _totals_kernel(table_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 def _triton():
     """triton, imported at the first GPU reading, with `tl` set: the kernels' global, read when Triton
     compiles them (or interprets them, on CPU tensors, where TRITON_INTERPRET was set before the import)."""
-    global tl
+    global tl, _tile
     import triton
     import triton.language
 
     tl = triton.language
+    _tile = _tile or triton.jit(_tile_body)
     return triton
 
 
@@ -194,6 +220,12 @@ def _triton():
 def _kernel():
     """`_stats_kernel`, compiled at its first launch for each block shape (Triton caches it on disk)."""
     return _triton().jit(_stats_kernel, do_not_specialize=["rows", "span"])  # a program each, not per batch size
+
+
+@functools.cache
+def _batch():
+    """`_batch_kernel`, as `_kernel` makes its own."""
+    return _triton().jit(_batch_kernel)
 
 
 @functools.cache
@@ -225,14 +257,7 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     one memset, one launch of the kernel and, for a tensor cut among programs along its values, one
     reduction of their parts."""
     x = x.contiguous()
-    units, after = x.shape[axis], math.prod(x.shape[axis + 1:])
-    rows = x.numel() // units
-    block_u = 1 if after > 1 else min(32, 1 << (units - 1).bit_length())  # a power of two
-    block_r = 512 // block_u
-    split = min(_cdiv(rows, 64 * block_r), 65535)  # 64 tiles a program (each part costs reductions after), and
-    # at most CUDA's limit of a grid's second axis
-    span = _cdiv(_cdiv(rows, split), block_r) * block_r
-    split = _cdiv(rows, span)
+    units, after, rows, block_u, block_r, split, span = _grid(x, axis)
     edges, levels = _constants(x.device, x.dtype, bounds)
     words = torch.zeros(9 * units + _TOTALS, dtype=torch.int64, device=x.device)
     out = words[: 9 * units] if split == 1 else torch.empty(split * 9 * units, dtype=torch.int64, device=x.device)
@@ -250,6 +275,53 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
         torch.amin(parts[:, 6].view(torch.float64), 0, out=whole[6].view(torch.float64))
         torch.sum(parts[:, 7:], 0, out=whole[7:])
     return words
+
+
+def _grid(x: torch.Tensor, axis: int) -> tuple[int, ...]:
+    """How the per-unit kernels read contiguous `x` with units on `axis`: (units, after, rows: the
+    entries of each unit, units a program, entries a step, programs along the entries, entries each)."""
+    units, after = x.shape[axis], math.prod(x.shape[axis + 1:])
+    rows = x.numel() // units
+    block_u = 1 if after > 1 else min(32, 1 << (units - 1).bit_length())  # a power of two
+    block_r = 512 // block_u
+    split = min(_cdiv(rows, 64 * block_r), 65535)  # 64 tiles a program (each part costs reductions after), and
+    # at most CUDA's limit of a grid's second axis
+    span = _cdiv(_cdiv(rows, split), block_r) * block_r
+    return units, after, rows, block_u, block_r, _cdiv(rows, span), span
+
+
+@_fallible
+def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]) -> list[torch.Tensor | None] | None:
+    """`stats(x, axis, bounds, histogram)` of each item, tensors on one device: those one program per
+    block of units reads whole (a probe's many small tensors) in views of one buffer (one memset), by
+    one launch per kind of program over a table of them (one copy to the device); the others by `stats`."""
+    items = [(x.contiguous(), axis, bounds, histogram) for x, axis, bounds, histogram in items]
+    device, starts, size, groups = items[0][0].device, {}, 0, {}
+    for i, (x, axis, bounds, histogram) in enumerate(items):
+        units, after, rows, block_u, _, split, _ = _grid(x, axis)
+        if split > 1:
+            continue
+        nsat = len(SAT_COUNTS) if bounds is not None else 0
+        table = np.empty((_cdiv(units, block_u), 7), np.int64)  # a row per program: its block of units
+        table[:] = x.data_ptr(), rows, units, after, 0, size, _constants(device, x.dtype, bounds)[1].data_ptr()
+        table[:, 4] = np.arange(0, units, block_u)
+        groups.setdefault((x.dtype, block_u, histogram, nsat), []).append(table)  # a launch per kind of program
+        starts[i], size = size, size + 9 * units + _TOTALS
+    words = torch.zeros(size, dtype=torch.int64, device=device)
+    if groups:
+        tables = [np.concatenate(parts) for parts in groups.values()]
+        table = torch.from_numpy(np.concatenate(tables))
+        table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+        launch, at = _batch(), 0  # and `tl`, for the dtypes
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            for (dtype, block_u, histogram, nsat), n in zip(groups, map(len, tables)):
+                launch[(n,)](table[at: at + n], _constants(device, dtype, None)[0], words,
+                             DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), BLOCK_R=512 // block_u,
+                             BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat,
+                             NLOW=nsat // 2, enable_fp_fusion=False)
+                at += n
+    return [words[starts[i]: starts[i] + 9 * x.shape[axis] + _TOTALS] if i in starts else stats(*items[i])
+            for i, (x, axis, _, _) in enumerate(items)]
 
 
 def unpack(words: np.ndarray, histogram: bool, bounded: bool) -> dict:

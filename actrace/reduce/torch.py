@@ -132,16 +132,40 @@ def reduce_tensor(t: torch.Tensor, unit_axis: int | None, kind: str, **options) 
 
 def reduce_tensors(calls: list[tuple[torch.Tensor, int | None, str, dict]]) -> list[Pending]:
     """`reduce_tensor(t, unit_axis, kind, **options)` of each call, now: the CPU float32 tensors in
-    one kernel batch shared by every thread (many small tensors keep both threads busy), the
-    others by torch kernels on their devices."""
+    one kernel batch shared by every thread (many small tensors keep both threads busy), a GPU's
+    per-unit readings in one batch of the fused kernels, the others by torch kernels on their devices."""
     prepared = [_prepared(t, axis, kind, **options) for t, axis, kind, options in calls]
     tasks = {i: (_kernel_view(p, x, axis), centre(p.bounds), histogram, relu_too)
              for i, (p, x, axis, histogram, relu_too) in enumerate(prepared)
              if kernel.available and x.device.type == "cpu" and x.dtype == torch.float32}
     for i, st in zip(tasks, kernel.reduce_many(list(tasks.values()))):
         _kernel_stats(prepared[i][0], tasks[i][0], st)
-    return [p if i in tasks else _beside(p, x, axis, histogram) if _aside(x, p.per_unit)
+    taken = set(tasks) | _fused_batches(prepared, tasks)
+    return [p if i in taken else _beside(p, x, axis, histogram) if _aside(x, p.per_unit)
             else _torch_stats(p, x, axis, histogram) for i, (p, x, axis, histogram, _) in enumerate(prepared)]
+
+
+def _fused_batches(prepared: list[tuple], skip) -> set[int]:
+    """The per-unit readings of `_prepared` calls (but `skip`) on a GPU, two or more a device, by the
+    fused kernels in one batch each (`fused.batch`): the indexes of those read."""
+    devices: dict = {}
+    for i, (p, x, _, _, _) in enumerate(prepared):
+        if i not in skip and p.per_unit and not _aside(x, True) and fused.usable(x):
+            devices.setdefault(x.device, []).append(i)
+    taken = set()
+    for group in (g for g in devices.values() if len(g) > 1):
+        calls = [prepared[i] for i in group]
+        got = fused.batch([(x, axis, p.bounds, histogram) for p, x, axis, histogram, _ in calls])
+        for i, words in zip(group, got or ()):
+            if words is not None:  # None: the fused kernels failed (torch kernels read it)
+                _take_fused(prepared[i][0], words, prepared[i][3])
+                taken.add(i)
+    return taken
+
+
+def _take_fused(pending: Pending, words: torch.Tensor, histogram: bool) -> None:
+    """The fused kernel's buffer as the pending reading's statistics, named on the host (`_finish`)."""
+    pending.stats["fused"], pending.histogram = words, histogram
 
 
 def _aside(x: torch.Tensor, per_unit: bool) -> bool:
@@ -232,7 +256,7 @@ def _torch_stats(pending: Pending, x: torch.Tensor, axis: int, histogram: bool) 
     fused kernel where Triton is installed (`fused`), others by torch kernels (`_masked`)."""
     per_unit, bounds = pending.per_unit, pending.bounds
     if per_unit and fused.usable(x) and (words := fused.stats(x, axis, bounds, histogram)) is not None:
-        pending.stats["fused"], pending.histogram = words, histogram  # one buffer, named on the host (`_finish`)
+        _take_fused(pending, words, histogram)
         return pending
     if not per_unit:  # layer-level only (per-step gradient readings): whole-tensor kernels
         x, axis = x.reshape(-1, 1), 1

@@ -3,9 +3,10 @@ output and activation read the moment it is made (`ForwardTrace`), chunks merged
 data-parallel ranks, all-reduced. At construction the first chunk runs twice (`trial`): the
 model takes the probe, depth is forward order, and evaluation behaviour is deterministic.
 CPU float32 tensors may be held until `HOLD` bytes of them have gathered and read in one kernel
-batch on every thread: where the trial saw no in-place change of any (by version counter or
-value), and checked again at every batch: one changed in place since it was held (its version
-counter moved, its storage freed) spoils the forward, which runs again reading each at once.
+batch on every thread (a GPU's, in one batch of its fused kernels): where the trial saw no in-place
+change of any (by version counter or value), and checked again at every batch: one changed in place
+since it was held (its version counter moved, its storage freed) spoils the forward, which runs
+again reading each at once.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from actrace.reduce import fold
+from actrace.reduce import fold, fused
 from actrace.reduce.torch import Pending, reduce_tensors, relu_of, transfer
 
 from . import ranks
@@ -101,13 +102,14 @@ class ProbeForward:
         out.tensor = None  # read, or held for a batch by `_held`
 
     def batchable(self, out: Output) -> bool:
-        """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain CPU
-        float32 tensor, whose pass gives no ReLU's reading (that reading is taken the moment it is made),
-        in a model run by this process alone (a spoiled forward runs again: `_chunk`; on one rank of
-        several, or one pipeline stage, its collectives would wait for the others)."""
+        """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain
+        tensor the GPU's fused kernels read, or a CPU float32 one (the C kernel's) whose pass gives no
+        ReLU's reading (that reading is taken the moment it is made), in a model run by this process
+        alone (a spoiled forward runs again: `_chunk`; on one rank of several, or one pipeline stage,
+        its collectives would wait for the others)."""
         t = out.tensor
-        return self.alone and not out.feeds_relu and type(t) is torch.Tensor and t.dtype == torch.float32 \
-            and t.is_cpu and not t.is_nested and not t.is_inference()
+        return self.alone and type(t) is torch.Tensor and not t.is_nested and not t.is_inference() and (
+            t.dtype == torch.float32 and t.is_cpu and not out.feeds_relu or fused.usable(t))
 
     def _read_held(self) -> None:
         """Read every held tensor now, in one batch; if one changed in place since it was held, none
