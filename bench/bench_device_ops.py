@@ -2,7 +2,8 @@
 take (the fused C kernel switched off), each aten op that is neither a view nor an allocation
 counted as one launch (a TorchDispatchMode), by torch kernels (`torch ops`) and, where Triton is
 installed, with a per-unit reading's statistics by the fused Triton kernel (`fused`: one launch
-more, run here by Triton's interpreter). On a GPU a probe reading's reductions are many small
+more, run here by Triton's interpreter), a probe's tensors held for one batch read by one launch
+per kind of program. On a GPU a probe reading's reductions are many small
 kernels, and each launch costs the host some microseconds whatever the tensor's size, so the
 count sets a reading's cost where the model's own kernels are small (an H200 measured it:
 `bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
@@ -55,7 +56,7 @@ def counted(real):
     return Launcher
 
 
-KERNELS = {name: getattr(fused, name) for name in ("_kernel", "_totals")}
+KERNELS = {name: getattr(fused, name) for name in ("_kernel", "_batch", "_totals")}
 
 
 CASES = {  # name: (tensor, unit axis, kind, options)
@@ -71,6 +72,16 @@ def launches(t: torch.Tensor, axis: int, kind: str, options: dict) -> tuple[coll
     with Launches() as mode:
         reductions.to_readings([reductions.reduce_tensor(t, axis, kind, layer="x", **options)])
     return mode.ops, 1
+
+
+def batch_launches() -> tuple[collections.Counter, int]:
+    """The kernels of a batch of a probe's tensors held for one read (`reduce_tensors`): a Llama
+    layer's 8×64 tokens, its q, k, v, o projections and norms (64 units) and MLP (256)."""
+    tensors = [torch.randn(512, 64) for _ in range(6)] + [torch.randn(512, 256) for _ in range(3)]
+    with Launches() as mode:
+        reductions.to_readings(reductions.reduce_tensors([(t, 1, "linear", dict(layer=f"t{i}"))
+                                                          for i, t in enumerate(tensors)]))
+    return mode.ops, len(tensors)
 
 
 def gradient_launches() -> tuple[collections.Counter, int]:
@@ -89,12 +100,12 @@ def attention_launches() -> tuple[collections.Counter, int]:
     q = torch.randn(8, 4, 64, 32)
     with Launches() as mode:
         found = derived.sdpa_attention((q, q, q), {"is_causal": True})
-        pending = []
+        calls = []
         for kind, t in found.items():
             t, rows = t if isinstance(t, tuple) else (t, None)
-            pending.append(reductions.reduce_tensor(t, 1, kind, layer=kind, **({} if rows is None else {"rows": rows})))
-        reductions.to_readings(pending)
-    return mode.ops, len(pending)
+            calls.append((t, 1, kind, dict(layer=kind, **({} if rows is None else {"rows": rows}))))
+        reductions.to_readings(reductions.reduce_tensors(calls))  # held for one batch, as a probe reading holds them
+    return mode.ops, len(calls)
 
 
 def main() -> None:
@@ -102,7 +113,8 @@ def main() -> None:
     reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
     print(f"{'reading':<28} {'torch ops':>9} {'fused':>5}   most frequent (fused)")
     for name, count in [*((name, lambda case=case: launches(*case[:3], dict(case[3]))) for name, case in CASES.items()),
-                        ("gradients", gradient_launches), ("SDPA heads", attention_launches)]:
+                        ("a probe's batch", batch_launches), ("gradients", gradient_launches),
+                        ("SDPA heads", attention_launches)]:
         found = []
         for usable in (lambda x, narrow=False: False,
                        lambda x, narrow=False: fused.installed() and x.dtype in (fused._NARROW if narrow else fused._WIDE)):
@@ -114,7 +126,7 @@ def main() -> None:
         top = ", ".join(f"{op} {n}" for op, n in fused_ops.most_common(5))
         label = name if readings == 1 else f"{name} ({readings} readings)"
         print(f"{label:<28} {sum(ops.values()):>9} {sum(fused_ops.values()):>5}   {top}")
-    print("(fused gradients: also two copies, no kernel: their table to the device, the chunks' numbers back)")
+    print("(fused batches and gradients: also a copy, no kernel, of their table to the device)")
 
 
 if __name__ == "__main__":

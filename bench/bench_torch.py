@@ -20,8 +20,10 @@ side in one run:
   - `grad ms`: one gradient reading alone, over a run of them, with its share of the writer's
     flushes and of Python's full collections (which the 0.2 s rounds may all miss);
   - on CUDA also: the probe reading with its reductions on a side stream (`side stream`, not the
-    model's own), by torch kernels instead of the fused Triton kernel (`torch ops`), and the host syncs one probe reading makes (`syncs`, counted by CUDA's sync
-    debug mode; where they happen is printed below the row when there is more than one).
+    model's own), by torch kernels instead of the fused Triton kernel (`torch ops`), by the fused
+    kernel launched per tensor instead of in batches (`per tensor`), and the host syncs one probe
+    reading makes (`syncs`, counted by CUDA's sync debug mode; where they happen is printed below
+    the row when there is more than one).
 The cases take turns, round after round, each timed over enough calls for about 0.2 s; a ratio is
 the median over rounds of the two cases' times in the same round (`paired`). Models run in the
 order `--models` names them.
@@ -235,7 +237,7 @@ def gradient_overhead(model, probe, path: str, train_step, sync, seconds: float 
 @contextmanager
 def setting(owner, name: str, value):
     """`owner.name` set to `value` for the block: the reductions on a side stream (`SIDE_STREAM`),
-    or by torch kernels (the fused kernel's `usable` saying no)."""
+    by torch kernels (the fused kernel's `usable` saying no), or per tensor (no `_fused_batches`)."""
     was = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -258,7 +260,8 @@ def main() -> None:
     print(f"device {dev}, {torch.get_num_threads()} threads, torch {torch.__version__}, paired medians of {args.repeat} rounds")
     cuda = dev.type == "cuda"
     header = f"{'model':<18} {'forward ms':>10} {'actrace':>8} {'no hist':>8} {'no derived':>10} {'per-stat':>9} " \
-             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7} {'grad ms':>7}" + (f" {'side stream':>11} {'torch ops':>9} {'syncs':>5}" if cuda else "")
+             f"{'tensorboard':>11} {'train ms':>9} {'+grads':>7} {'grad ms':>7}" + \
+        (f" {'side stream':>11} {'torch ops':>9} {'per tensor':>10} {'syncs':>5}" if cuda else "")
     print(header)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -301,7 +304,9 @@ def main() -> None:
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 **({"side stream": lambda: monitored_with(reductions, "SIDE_STREAM", True),
-                    "torch ops": lambda: monitored_with(fused, "usable", lambda x: False)} if cuda else {}),
+                    "torch ops": lambda: monitored_with(fused, "usable", lambda x: False),
+                    "per tensor": lambda: monitored_with(reductions, "_fused_batches", lambda *_: set())}
+                   if cuda else {}),
             }, args.repeat, sync, calls=None)
             grad_ms = gradient_cost(model, probe, f"{d}/c.parquet", steps)
             grads = gradient_overhead(model, probe, f"{d}/g.parquet", train_step, sync)
@@ -317,7 +322,8 @@ def main() -> None:
               f"{paired(t, 'per-stat', 'forward'):>8.2f}x "
               f"{paired(slow, 'tensorboard', 'forward'):>10.2f}x {statistics.median(t['train']) * 1e3:>9.1f} "
               f"{grads:>6.2f}x {grad_ms:>7.2f}" +
-              (f" {paired(t, 'side stream', 'forward'):>10.2f}x {paired(t, 'torch ops', 'forward'):>8.2f}x {len(syncs):>5}"
+              (f" {paired(t, 'side stream', 'forward'):>10.2f}x {paired(t, 'torch ops', 'forward'):>8.2f}x "
+               f"{paired(t, 'per tensor', 'forward'):>9.2f}x {len(syncs):>5}"
                if cuda else ""))
         if cuda and len(syncs) > 1:
             where = collections.Counter(syncs).most_common(6)
