@@ -304,7 +304,7 @@ def main() -> None:
                 "per-stat": lambda: hooked(forward, lambda: hooks_per_statistic(model)),
                 "train": lambda: nullcontext(train_step),
                 **({"side stream": lambda: monitored_with(reductions, "SIDE_STREAM", True),
-                    "torch ops": lambda: monitored_with(fused, "usable", lambda x: False),
+                    "torch ops": lambda: monitored_with(fused, "usable", lambda x, narrow=False: False),
                     "per tensor": lambda: monitored_with(reductions, "_fused_batches", lambda *_: set())}
                    if cuda else {}),
             }, args.repeat, sync, calls=None)

@@ -133,7 +133,7 @@ def triton_kernel(x, axis, kind, halves, monkeypatch, change=None):
 
     from actrace.reduce import fused
 
-    monkeypatch.setattr(fused, "usable", lambda t: t.dtype in (torch.float32, torch.float64))
+    monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype in (torch.float32, torch.float64))
     return torch_transfer(x, axis, kind, halves, monkeypatch, change)
 
 

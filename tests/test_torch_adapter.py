@@ -574,6 +574,67 @@ def test_a_gpu_s_per_unit_readings_of_many_tensors_are_one_batch_that_reads_each
     assert batched[-1].count == 40_000 and batched[-1].hist.sum() == 40_000
 
 
+class _Transposed(nn.Module):
+    """tanh of its input with its last two axes swapped: an output whose last axis is not contiguous."""
+
+    def forward(self, x):
+        return torch.tanh(x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_gpu_s_float64_and_bfloat16_outputs_are_held_for_a_batch_and_read_as_built(path, dtype, tmp_path,
+                                                                                       monkeypatch):
+    """A GPU's float64 and bfloat16 outputs, a transposed one among them, are held and read in one batch
+    of the fused kernels (the trial compares each bit for bit at its own width), and read as built:
+    two units of the linear pinned at tanh's bound by a bias of +1e4, every value of theirs saturated."""
+    from actrace.reduce import fused
+
+    if path == "triton":
+        monkeypatch.setattr(kernel, "available", False)
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype in (torch.float32, torch.float64)
+                            or narrow and t.is_floating_point())
+        monkeypatch.setattr(_torch_reduce, "on_device", lambda v: isinstance(v, torch.Tensor))
+    batched, real = [], fused.batch
+    monkeypatch.setattr(fused, "batch", lambda items: batched.append(len(items)) or real(items))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), _Transposed()).to(dtype)
+    with torch.no_grad():
+        model[0].bias[:2] = 1e4
+    device = "cuda" if path == "cuda" else "cpu"
+    with Monitor(model.to(device), torch.randn(3, 5, 4, dtype=dtype, device=device), tmp_path / "t.parquet",
+                 grad_every=None) as mon:
+        mon.probe_reading(0)
+    assert batched == [2]  # the linear's output and the tanh's, in one batch
+    (tanh,) = [r for r in actrace.read_table(tmp_path / "t.parquet").to_pylist() if r["kind"] == "tanh"]
+    assert (tanh["dtype"], tanh["shape"], tanh["unit_axis"], tanh["units"]) == \
+        (str(dtype).removeprefix("torch."), [3, 6, 5], 1, 6)
+    assert tanh["unit_min"][:2] == [1.0, 1.0] and max(tanh["unit_max"][2:]) < 1.0
+    assert tanh["sat_counts"][-1] >= 2 * 3 * 5  # at +1: every value of the two pinned units
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_a_gpu_s_in_place_relu_leaves_its_model_s_batches_on(path, tmp_path, monkeypatch):
+    """The output an in-place ReLU overwrites next is read at once, not held: the trial finds nothing
+    changed in place, so a GPU's readings stay batched; the ReLU reads its killed units dead."""
+    from actrace.reduce import fused
+
+    if path == "triton":
+        monkeypatch.setattr(kernel, "available", False)
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.is_floating_point())
+        monkeypatch.setattr(_torch_reduce, "on_device", lambda v: isinstance(v, torch.Tensor))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Tanh())
+    with torch.no_grad():
+        model[0].bias[:2], model[0].bias[2:] = -1e4, 1e4  # two units dead, the others alive for any input
+    device = "cuda" if path == "cuda" else "cpu"
+    with Monitor(model.to(device), torch.randn(16, 4, device=device), tmp_path / "t.parquet", grad_every=None) as mon:
+        mon.probe_reading(0)
+        assert mon.forward.batches
+    m = metrics(tmp_path / "t.parquet").filter(pl.col("stream") == "activation")
+    assert dict(zip(m["layer"], m["dead_fraction"]))["1"] == 2 / 8
+
+
 def test_the_trace_s_map_of_tensors_holds_none_alive_and_tells_a_new_tensor_at_a_reused_address_apart():
     """The axes' map keys tensors by identity without keeping them: a tensor's entry goes with it,
     and a tensor made later (CPython may give it the same id) is not taken for the one that went."""

@@ -90,8 +90,13 @@ def _batch_kernel(table_ptr, edges_ptr, words_ptr, DTYPE: tl.constexpr, BLOCK_R:
     rows, units, after, first_unit = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     words = words_ptr + tl.load(row + 5)
     levels_ptr = tl.load(row + 6).to(tl.pointer_type(DTYPE), bitcast=True)
-    _tile(x_ptr, edges_ptr, levels_ptr, words.to(tl.pointer_type(tl.float64), bitcast=True), words, words + 9 * units,
-          rows, units, after, 0, rows, first_unit, BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
+    out = words.to(tl.pointer_type(tl.float64), bitcast=True)
+    if BLOCK_U > 1:  # units last (`_grid`): after is 1, known here, so no division per value
+        _tile(x_ptr, edges_ptr, levels_ptr, out, words, words + 9 * units, rows, units, 1, 0, rows, first_unit,
+              BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
+    else:
+        _tile(x_ptr, edges_ptr, levels_ptr, out, words, words + 9 * units, rows, units, after, 0, rows, first_unit,
+              BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
 
 
 def _tile_body(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, first, span,

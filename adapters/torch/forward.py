@@ -47,7 +47,7 @@ class ProbeForward:
         self.warned: set[str] = set()
         self._outputs: list[tuple[Output, object]] = []  # and the slice of units it holds (`shards`)
         self.batches = False  # read tensors held for one batch (`HOLD`): set by the trial where that is safe
-        self._held: list[tuple[Output, int | None, tuple]] = []  # (Output, version when held, `reduce_tensors` call)
+        self._held: list[tuple] = []  # (Output, version when held, stream that wrote it (CUDA), `reduce_tensors` call)
         self._held_bytes = 0
         self._spoiled = False  # a held tensor changed in place: the chunk runs again (`_chunk`)
 
@@ -92,7 +92,8 @@ class ProbeForward:
                 out.reading = relu_of(source, out.name)
             else:
                 t, hold = out.tensor, self.batches and self.batchable(out)
-                self._held.append((out, t._version if hold else None, (t, self.axis(out), out.kind, dict(
+                made = torch.cuda.current_stream(t.device) if hold and t.is_cuda else None  # where it is written
+                self._held.append((out, t._version if hold else None, made, (t, self.axis(out), out.kind, dict(
                     layer=out.name, bounds=out.bounds, histogram=self.histogram, relu_too=out.feeds_relu,
                     rows=out.rows))))
                 self._held_bytes += _kept_alive(t) if hold else HOLD
@@ -102,14 +103,15 @@ class ProbeForward:
         out.tensor = None  # read, or held for a batch by `_held`
 
     def batchable(self, out: Output) -> bool:
-        """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain
-        tensor the GPU's fused kernels read, or a CPU float32 one (the C kernel's) whose pass gives no
-        ReLU's reading (that reading is taken the moment it is made), in a model run by this process
-        alone (a spoiled forward runs again: `_chunk`; on one rank of several, or one pipeline stage,
-        its collectives would wait for the others)."""
+        """Whether a reading may wait for a kernel batch (where the trial found that safe): a plain CPU
+        float32 tensor (the C kernel's) or one the GPU's fused kernels read (half precision widened),
+        not one a ReLU takes next (on a CPU its pass gives that ReLU's reading the moment it is made;
+        an in-place ReLU would spoil every batch), in a model run by this process alone (a spoiled
+        forward runs again: `_chunk`; on one rank of several, or one pipeline stage, its collectives
+        would wait for the others)."""
         t = out.tensor
-        return self.alone and type(t) is torch.Tensor and not t.is_nested and not t.is_inference() and (
-            t.dtype == torch.float32 and t.is_cpu and not out.feeds_relu or fused.usable(t))
+        return self.alone and not out.feeds_relu and type(t) is torch.Tensor and not t.is_nested \
+            and not t.is_inference() and (t.dtype == torch.float32 and t.is_cpu or fused.usable(t, narrow=True))
 
     def _read_held(self) -> None:
         """Read every held tensor now, in one batch; if one changed in place since it was held, none
@@ -117,10 +119,14 @@ class ProbeForward:
         held, self._held, self._held_bytes = self._held, [], 0
         if not held:
             return
-        if any(version is not None and _changed(call[0], version) for _, version, call in held):
+        if any(version is not None and _changed(call[0], version) for _, version, _, call in held):
             self.batches, self._spoiled = False, True
             return
-        for (out, _, _), pending in zip(held, reduce_tensors([call for _, _, call in held])):
+        for _, _, made, (t, *_) in held:  # one written on another stream: read once it is written, kept till then
+            if made is not None and made != (now := torch.cuda.current_stream(t.device)):
+                now.wait_stream(made)
+                t.record_stream(now)
+        for (out, *_), pending in zip(held, reduce_tensors([call for *_, call in held])):
             out.reading = pending
 
     def _skipped_slice(self, name: str, why: str) -> None:
@@ -248,8 +254,8 @@ class ProbeForward:
         def note(o: Output) -> None:
             nonlocal size
             seen.append((o, _signature(o.tensor)))
-            if check and self.batchable(o):
-                size += _kept_alive(o.tensor)
+            if check and self.batchable(o) and (alive := _kept_alive(o.tensor)) < HOLD:  # larger: read at once
+                size += alive
                 if size <= TRIAL_HOLD:  # the tensor, its version and a copy, until the forward's end
                     kept.append((o.tensor, o.tensor._version, o.tensor.clone()))
             o.tensor = o.tensor.ndim  # the ndim is all the checks need: activations are not held beyond `kept`
@@ -264,7 +270,7 @@ class ProbeForward:
             raise ValueError(f"actrace: the model cannot take the probe ({self.probe.describe()}): "
                              f"{type(e).__name__}: {first}{hint}") from e
         unchanged = check and size <= TRIAL_HOLD and not any(
-            _changed(t, version) or not torch.equal(t.view(torch.int32), copy.view(torch.int32))
+            _changed(t, version) or not torch.equal(_bits(t), _bits(copy))
             for t, version, copy in kept)
         return [(o.name, o.axis, o.kind, s) for o, s in seen if o.name] + \
             [(f"output{k}", None, None, _signature(t)) for k, t in output_tensors(result)], seen, unchanged
@@ -284,6 +290,14 @@ class ProbeForward:
             warnings.warn(f"actrace: the unit axis of {len(lost)} reading(s) cannot be followed from the "
                           f"ops that made them, so each is read as one unit (give unit_axes= to say "
                           f"which axis): {', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''}", stacklevel=4)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits as integers of its size (whatever its strides): NaN equals NaN, −0 is not +0."""
+    return t.view(_INTS[t.element_size()])
+
+
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def _kept_alive(t: torch.Tensor) -> int:
