@@ -90,13 +90,10 @@ def _batch_kernel(table_ptr, edges_ptr, words_ptr, DTYPE: tl.constexpr, BLOCK_R:
     rows, units, after, first_unit = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     words = words_ptr + tl.load(row + 5)
     levels_ptr = tl.load(row + 6).to(tl.pointer_type(DTYPE), bitcast=True)
-    out = words.to(tl.pointer_type(tl.float64), bitcast=True)
     if BLOCK_U > 1:  # units last (`_grid`): after is 1, known here, so no division per value
-        _tile(x_ptr, edges_ptr, levels_ptr, out, words, words + 9 * units, rows, units, 1, 0, rows, first_unit,
-              BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
-    else:
-        _tile(x_ptr, edges_ptr, levels_ptr, out, words, words + 9 * units, rows, units, after, 0, rows, first_unit,
-              BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
+        after = 1
+    _tile(x_ptr, edges_ptr, levels_ptr, words.to(tl.pointer_type(tl.float64), bitcast=True), words, words + 9 * units,
+          rows, units, after, 0, rows, first_unit, BLOCK_R, BLOCK_U, HIST, BINS, NSAT, NLOW)
 
 
 def _tile_body(x_ptr, edges_ptr, levels_ptr, out_ptr, counts_ptr, totals_ptr, rows, units, after, first, span,
@@ -266,12 +263,10 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     edges, levels = _constants(x.device, x.dtype, bounds)
     words = torch.zeros(9 * units + _TOTALS, dtype=torch.int64, device=x.device)
     out = words[: 9 * units] if split == 1 else torch.empty(split * 9 * units, dtype=torch.int64, device=x.device)
-    nsat = len(SAT_COUNTS) if bounds is not None else 0
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
         _kernel()[(_cdiv(units, block_u), split)](
-            x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span, BLOCK_R=block_r,
-            BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat, NLOW=nsat // 2,
-            enable_fp_fusion=False)
+            x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span,
+            **_program(block_u, block_r, histogram, bounds), enable_fp_fusion=False)
     if split > 1:  # the programs' parts of each unit: sums add, extremes, counts add
         parts, whole = out.view(split, 9, units), words[: 9 * units].view(9, units)
         torch.sum(parts[:, :4].view(torch.float64), 0, out=whole[:4].view(torch.float64))
@@ -295,6 +290,14 @@ def _grid(x: torch.Tensor, axis: int) -> tuple[int, ...]:
     return units, after, rows, block_u, block_r, _cdiv(rows, span), span
 
 
+def _program(block_u: int, block_r: int, histogram: bool, bounds: tuple | None) -> dict:
+    """The per-unit kernels' compile-time constants for a reading read in blocks of `block_u` units
+    and `block_r` entries: a kind of program."""
+    nsat = len(SAT_COUNTS) if bounds is not None else 0
+    return dict(BLOCK_R=block_r, BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat,
+                NLOW=nsat // 2)
+
+
 @_fallible
 def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]) -> list[torch.Tensor | None] | None:
     """`stats(x, axis, bounds, histogram)` of each item, tensors on one device: those one program per
@@ -303,14 +306,14 @@ def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]) -> list[tor
     items = [(x.contiguous(), axis, bounds, histogram) for x, axis, bounds, histogram in items]
     device, starts, size, groups = items[0][0].device, {}, 0, {}
     for i, (x, axis, bounds, histogram) in enumerate(items):
-        units, after, rows, block_u, _, split, _ = _grid(x, axis)
+        units, after, rows, block_u, block_r, split, _ = _grid(x, axis)
         if split > 1:
             continue
-        nsat = len(SAT_COUNTS) if bounds is not None else 0
         table = np.empty((_cdiv(units, block_u), 7), np.int64)  # a row per program: its block of units
         table[:] = x.data_ptr(), rows, units, after, 0, size, _constants(device, x.dtype, bounds)[1].data_ptr()
         table[:, 4] = np.arange(0, units, block_u)
-        groups.setdefault((x.dtype, block_u, histogram, nsat), []).append(table)  # a launch per kind of program
+        program = (x.dtype, *_program(block_u, block_r, histogram, bounds).items())
+        groups.setdefault(program, []).append(table)  # a launch per kind of program
         starts[i], size = size, size + 9 * units + _TOTALS
     words = torch.zeros(size, dtype=torch.int64, device=device)
     if groups:
@@ -319,11 +322,10 @@ def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]) -> list[tor
         table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
         launch, at = _batch(), 0  # and `tl`, for the dtypes
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            for (dtype, block_u, histogram, nsat), n in zip(groups, map(len, tables)):
+            for (dtype, *program), n in zip(groups, map(len, tables)):
                 launch[(n,)](table[at: at + n], _constants(device, dtype, None)[0], words,
-                             DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), BLOCK_R=512 // block_u,
-                             BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat,
-                             NLOW=nsat // 2, enable_fp_fusion=False)
+                             DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), **dict(program),
+                             enable_fp_fusion=False)
                 at += n
     return [words[starts[i]: starts[i] + 9 * x.shape[axis] + _TOTALS] if i in starts else stats(*items[i])
             for i, (x, axis, _, _) in enumerate(items)]
