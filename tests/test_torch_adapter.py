@@ -122,20 +122,26 @@ def test_the_accelerator_histogram_path_equals_the_definition(dtype, device):
     np.testing.assert_array_equal(got, bins.histogram_exact(x.numpy()))
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("reader", ["kernel", "torch ops", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU is here: its tests read the fused kernels"))])
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_rows_left_out_read_as_the_rows_kept_alone(where, fused, monkeypatch):
+def test_rows_left_out_read_as_the_rows_kept_alone(where, reader, monkeypatch):
     """`rows` keeps some rows of a tensor (a derived reading's queries): on the host by indexing,
     on a device as NaN taken out on the host (no sync to select them); either way the reading of
-    the rows kept, NaN and Inf among them and in the rows left out."""
-    monkeypatch.setattr(_torch_reduce.kernel, "available", fused and _torch_reduce.kernel.available)
+    the rows kept, NaN and Inf among them and in the rows left out. Read by the C kernel, torch
+    kernels, or (`triton`) a GPU's fused kernels, both tensors in one batch, run by Triton's interpreter."""
+    from actrace.reduce import fused
+
+    monkeypatch.setattr(_torch_reduce.kernel, "available", reader == "kernel" and _torch_reduce.kernel.available)
+    if reader == "triton":
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype in (torch.float32, torch.float64))
     if where == "device":  # the device's path, taken here by a CPU tensor
         monkeypatch.setattr(_torch_reduce, "on_device", lambda v: isinstance(v, torch.Tensor))
     x = torch.randn(12, 5)
     x[1, 2], x[3, 0], x[4, 4], x[7, 1] = float("nan"), float("inf"), float("nan"), -float("inf")
     rows = torch.tensor([True, False, True, True, False, True, False, True, True, True, False, True])
-    (got, want), = [_torch_reduce.to_readings([_torch_reduce.reduce_tensor(x, 1, "tanh", layer="h", rows=rows),
-                                               _torch_reduce.reduce_tensor(x[rows], 1, "tanh", layer="h")])]
+    got, want = _torch_reduce.to_readings(_torch_reduce.reduce_tensors([(x, 1, "tanh", dict(layer="h", rows=rows)),
+                                                                        (x[rows], 1, "tanh", dict(layer="h"))]))
     assert got.shape == want.shape == (8, 5)
     assert (got.nan_count, got.inf_count) == (want.nan_count, want.inf_count) == (0, 2)
     for field in ("count", "zero_count", "min", "max", "hist", "sat_counts", "unit_count", "unit_min", "unit_max",

@@ -29,7 +29,6 @@ _tile = None  # `_tile_body` as Triton compiles it, which the per-unit kernels c
 
 _HIST = 256  # the histogram's lanes: a power of two above bins.N_BINS
 _TOTALS = _HIST + 1 + len(SAT_COUNTS)  # per reading: the histogram, the NaN count, the saturation counts
-_PER_UNIT = ("unit_sum", "unit_sumsq", "unit_sum3", "unit_sum4", "unit_min", "unit_max", "unit_min_dev")
 
 
 def usable(x: torch.Tensor, narrow: bool = False) -> bool:
@@ -259,14 +258,14 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     one memset, one launch of the kernel and, for a tensor cut among programs along its values, one
     reduction of their parts."""
     x = x.contiguous()
-    units, after, rows, block_u, block_r, split, span = _grid(x, axis)
+    units, after, rows, block_u, block_r, split, span = _grid(x.shape, axis)
     edges, levels = _constants(x.device, x.dtype, bounds)
     words = torch.zeros(9 * units + _TOTALS, dtype=torch.int64, device=x.device)
     out = words[: 9 * units] if split == 1 else torch.empty(split * 9 * units, dtype=torch.int64, device=x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
         _kernel()[(_cdiv(units, block_u), split)](
             x, edges, levels, out.view(torch.float64), out, words[9 * units:], rows, units, after, span,
-            **_program(block_u, block_r, histogram, bounds), enable_fp_fusion=False)
+            **_program(block_u, block_r, histogram, bounds is not None), enable_fp_fusion=False)
     if split > 1:  # the programs' parts of each unit: sums add, extremes, counts add
         parts, whole = out.view(split, 9, units), words[: 9 * units].view(9, units)
         torch.sum(parts[:, :4].view(torch.float64), 0, out=whole[:4].view(torch.float64))
@@ -277,11 +276,13 @@ def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> 
     return words
 
 
-def _grid(x: torch.Tensor, axis: int) -> tuple[int, ...]:
-    """How the per-unit kernels read contiguous `x` with units on `axis`: (units, after, rows: the
-    entries of each unit, units a program, entries a step, programs along the entries, entries each)."""
-    units, after = x.shape[axis], math.prod(x.shape[axis + 1:])
-    rows = x.numel() // units
+@functools.lru_cache(maxsize=4096)
+def _grid(shape: torch.Size, axis: int) -> tuple[int, ...]:
+    """How the per-unit kernels read a contiguous tensor of `shape` with units on `axis`: (units, after,
+    rows: the entries of each unit, units a program, entries a step, programs along the entries,
+    entries each); kept per shape, which repeats from reading to reading."""
+    units, after = shape[axis], math.prod(shape[axis + 1:])
+    rows = math.prod(shape) // units
     block_u = 1 if after > 1 else min(32, 1 << (units - 1).bit_length())  # a power of two
     block_r = 512 // block_u
     split = min(_cdiv(rows, 64 * block_r), 65535)  # 64 tiles a program (each part costs reductions after), and
@@ -290,59 +291,83 @@ def _grid(x: torch.Tensor, axis: int) -> tuple[int, ...]:
     return units, after, rows, block_u, block_r, _cdiv(rows, span), span
 
 
-def _program(block_u: int, block_r: int, histogram: bool, bounds: tuple | None) -> dict:
+@functools.cache
+def _program(block_u: int, block_r: int, histogram: bool, bounded: bool) -> dict:
     """The per-unit kernels' compile-time constants for a reading read in blocks of `block_u` units
-    and `block_r` entries: a kind of program."""
-    nsat = len(SAT_COUNTS) if bounds is not None else 0
+    and `block_r` entries: a kind of program (made once each: the caller does not change it)."""
+    nsat = len(SAT_COUNTS) if bounded else 0
     return dict(BLOCK_R=block_r, BLOCK_U=block_u, HIST=_HIST, BINS=bins.N_BINS if histogram else 0, NSAT=nsat,
                 NLOW=nsat // 2)
 
 
 @_fallible
-def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]) -> list[torch.Tensor | None] | None:
-    """`stats(x, axis, bounds, histogram)` of each item, tensors on one device: those one program per
-    block of units reads whole (a probe's many small tensors) in views of one buffer (one memset), by
-    one launch per kind of program over a table of them (one copy to the device); the others by `stats`."""
+def batch(items: list[tuple[torch.Tensor, int, tuple | None, bool]]
+          ) -> list[tuple[torch.Tensor | None, slice | None]] | None:
+    """`stats(x, axis, bounds, histogram)` of each item, tensors on one device, as (a buffer, the slice
+    of it that is the item's): those one program per block of units reads whole (a probe's many small
+    tensors) in one buffer (one memset), by one launch per kind of program over a table of them (one
+    copy to the device); the others by `stats`, a buffer each (the slice None)."""
     items = [(x.contiguous(), axis, bounds, histogram) for x, axis, bounds, histogram in items]
     device, starts, size, groups = items[0][0].device, {}, 0, {}
     for i, (x, axis, bounds, histogram) in enumerate(items):
-        units, after, rows, block_u, block_r, split, _ = _grid(x, axis)
+        units, after, rows, block_u, block_r, split, _ = _grid(x.shape, axis)
         if split > 1:
             continue
-        table = np.empty((_cdiv(units, block_u), 7), np.int64)  # a row per program: its block of units
-        table[:] = x.data_ptr(), rows, units, after, 0, size, _constants(device, x.dtype, bounds)[1].data_ptr()
-        table[:, 4] = np.arange(0, units, block_u)
-        program = (x.dtype, *_program(block_u, block_r, histogram, bounds).items())
-        groups.setdefault(program, []).append(table)  # a launch per kind of program
+        program = (x.dtype, block_u, block_r, histogram, bounds is not None)  # a launch per kind of program
+        levels = _constants(device, x.dtype, bounds)[1].data_ptr()
+        groups.setdefault(program, []).append((x.data_ptr(), rows, units, after, 0, size, levels))
         starts[i], size = size, size + 9 * units + _TOTALS
     words = torch.zeros(size, dtype=torch.int64, device=device)
     if groups:
-        tables = [np.concatenate(parts) for parts in groups.values()]
+        tables = [_programs(tensors, block_u) for (_, block_u, *_), tensors in groups.items()]
         table = torch.from_numpy(np.concatenate(tables))
         table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
         launch, at = _batch(), 0  # and `tl`, for the dtypes
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            for (dtype, *program), n in zip(groups, map(len, tables)):
+            for (dtype, block_u, block_r, histogram, bounded), n in zip(groups, map(len, tables)):
                 launch[(n,)](table[at: at + n], _constants(device, dtype, None)[0], words,
-                             DTYPE=getattr(tl, str(dtype).removeprefix("torch.")), **dict(program),
+                             DTYPE=getattr(tl, str(dtype).removeprefix("torch.")),
+                             **_program(block_u, block_r, histogram, bounded),
                              enable_fp_fusion=False)
                 at += n
-    return [words[starts[i]: starts[i] + 9 * x.shape[axis] + _TOTALS] if i in starts else stats(*items[i])
-            for i, (x, axis, _, _) in enumerate(items)]
+    return [(words, slice(starts[i], starts[i] + 9 * x.shape[axis] + _TOTALS)) if i in starts
+            else (stats(*items[i]), None) for i, (x, axis, _, _) in enumerate(items)]
 
 
-def unpack(words: np.ndarray, histogram: bool, bounded: bool) -> dict:
-    """The statistics of `stats`' buffer, on the host, named as the spec's columns."""
+def _programs(tensors: list[tuple], block_u: int) -> np.ndarray:
+    """The table of `_batch_kernel`'s programs that read `tensors` (a row each: address, entries a
+    unit, units, after, 0, where its words start, its levels' address) in blocks of `block_u` units:
+    each tensor's row once per block, the block's first unit in column 4."""
+    each = np.array(tensors, np.int64)
+    blocks = -(-each[:, 2] // block_u)
+    table = np.repeat(each, blocks, axis=0)
+    table[:, 4] = (np.arange(len(table)) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * block_u
+    return table
+
+
+def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow: bool) -> dict:
+    """`stats`' buffer on the host as `kernel.reduce_many` gives a tensor's statistics, for
+    `Reading.from_kernel`: the TOTALS row (the layer's numbers from the units', `count` values read in
+    all) and the per-unit columns, views of the buffer; the extremes of a `narrow` tensor (float32 or
+    narrower, exact in float32) as float32, a float64 one's as they are (rounded outward there)."""
+    words = np.asarray(words)
     units = (len(words) - _TOTALS) // 9
     per, totals = words[: 9 * units].reshape(9, units), words[9 * units:]
     sums = per[:7].view(np.float64)
-    s = {name: sums[i] for i, name in enumerate(_PER_UNIT)}
-    s.update(unit_count=per[7], unit_zero=per[8], nan_count=totals[_HIST])
-    if histogram:
-        s["hist"] = totals[: bins.N_BINS]
+    s1, s2, s3, s4 = np.add.reduce(sums[:4], axis=1).tolist()
+    finite, zeros = np.add.reduce(per[7:], axis=1).tolist()
+    nans = int(totals[_HIST])
+    lo, hi = float(np.minimum.reduce(sums[4])), float(np.maximum.reduce(sums[5]))
+    extremes = sums[4:].astype(np.float32) if narrow else sums[4:]
+    if finite < count and not per[7].all():  # ±inf where a unit has no finite value: NaN there
+        extremes[:, per[7] == 0] = np.nan
+    st = dict(totals=np.array([s1, s2, s3, s4, lo if lo < math.inf else math.nan, hi if hi > -math.inf else math.nan,
+                               zeros, nans, count - finite - nans]),
+              unit_count=per[7], unit_zero=per[8], unit_sum=sums[0], unit_sumsq=sums[1], unit_min=extremes[0],
+              unit_max=extremes[1], unit_min_dev=extremes[2], hist=totals[: bins.N_BINS] if histogram else None)
     if bounded:
-        s["sat_counts"] = totals[_HIST + 1:]
-    return s
+        st["sat_counts"] = totals[_HIST + 1:]
+    return st
 
 
 _CHUNK = 1 << 16  # the values of one tensor a `_totals_kernel` program reads at most

@@ -102,9 +102,10 @@ class Reading:
     def from_kernel(cls, st: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
                     **meta) -> "Reading":
         """`from_stats` of the C kernel's results (`kernel.reduce_many`, with `sat_counts` of a bounded
-        kind): its TOTALS row and its per-unit views, one-dimensional and of the columns' types,
-        taken as they are. A probe reading makes one per tensor, where `from_stats`' checks and
-        conversions of each column cost a deep model's reading more than a tenth of its time."""
+        kind; or the fused GPU kernels', `fused.unpack`): its TOTALS row and its per-unit views,
+        one-dimensional and of the columns' types, taken as they are, but float64 extremes rounded
+        outward. A probe reading makes one per tensor, where `from_stats`' checks and conversions of
+        each column cost a deep model's reading more than a tenth of its time."""
         total, squares, sum3, sum4, lo, hi, zeros, nans, infs = st["totals"].tolist()
         unit_axis = None if unit_axis is None else unit_axis % len(shape)
         sat = st.get("sat_counts")
@@ -114,9 +115,10 @@ class Reading:
                 sat_counts=None if sat is None else np.asarray(sat, np.int64), **meta)
         if per_unit:
             c = centre(meta.get("bounds"))
-            r.unit_count, r.unit_zero, r.unit_sum, r.unit_sumsq, r.unit_min, r.unit_max = (
-                st[name] for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq", "unit_min", "unit_max"))
-            r.unit_min_dev = outward(_one_sided(st, c), -np.inf) if c else st["unit_min_dev"]
+            r.unit_count, r.unit_zero, r.unit_sum, r.unit_sumsq = (
+                st[name] for name in ("unit_count", "unit_zero", "unit_sum", "unit_sumsq"))
+            r.unit_min, r.unit_max = outward(st["unit_min"], -np.inf), outward(st["unit_max"], np.inf)
+            r.unit_min_dev = outward(_one_sided(st, c) if c else st["unit_min_dev"], -np.inf)
         return r
 
 

@@ -55,6 +55,7 @@ class Pending:
     reading: Reading | None = None  # made already, from the C kernel's results (`_kernel_stats`); named at `_finish`
     rows: int | None = None  # the entries of the first axis before a device left out some (`rows`)
     histogram: bool = False  # whether a fused kernel's buffer (stats["fused"]) holds the histogram
+    span: slice | None = None  # where in that buffer (a batch's: many readings') this reading's numbers lie
 
 
 _scratch = threading.local()  # per thread: reused buffers (scratch_like)
@@ -156,16 +157,17 @@ def _fused_batches(prepared: list[tuple], skip) -> set[int]:
     for group in (g for g in devices.values() if len(g) > 1):
         calls = [prepared[i] for i in group]
         got = fused.batch([(x, axis, p.bounds, histogram) for p, x, axis, histogram, _ in calls])
-        for i, words in zip(group, got or ()):
+        for i, (words, span) in zip(group, got or ()):
             if words is not None:  # None: the fused kernels failed (torch kernels read it)
-                _take_fused(prepared[i][0], words, prepared[i][3])
+                _take_fused(prepared[i][0], words, prepared[i][3], span)
                 taken.add(i)
     return taken
 
 
-def _take_fused(pending: Pending, words: torch.Tensor, histogram: bool) -> None:
-    """The fused kernel's buffer as the pending reading's statistics, named on the host (`_finish`)."""
-    pending.stats["fused"], pending.histogram = words, histogram
+def _take_fused(pending: Pending, words: torch.Tensor, histogram: bool, span: slice | None = None) -> None:
+    """The fused kernels' buffer (`span` of it) as the pending reading's statistics, named on the host
+    (`_finish`): a batch's one buffer, every reading of it, moves to the host once (`_to_host`)."""
+    pending.stats["fused"], pending.span, pending.histogram = words, span, histogram
 
 
 def _aside(x: torch.Tensor, per_unit: bool) -> bool:
@@ -493,23 +495,25 @@ _WORDS = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.
 def _to_host(values: list) -> list:
     """Each value on the host: arrays and CPU tensors as they are, device tensors in one transfer per
     device once its side stream is done, their bits joined as 32-bit words (no conversion kernel
-    per value) and each seen again as an array of its own type."""
-    out = list(values)
-    devices: dict = {}
-    for i, v in enumerate(values):
+    per value) and each seen again as an array of its own type; a tensor given many times (a fused
+    batch's buffer, every reading of it) moved once."""
+    devices: dict = {}  # device -> {id: tensor}
+    for v in values:
         if on_device(v):
-            devices.setdefault(v.device, []).append(i)
-    for dev, items in devices.items():
+            devices.setdefault(v.device, {})[id(v)] = v
+    moved = {}
+    for dev, tensors in devices.items():
         if dev in _sides:  # statistics taken on the side stream: the model's stream waits for them
             torch.cuda.current_stream(dev).wait_stream(_sides[dev])
-        flat = [values[i].reshape(-1) for i in items]
+        flat = [v.reshape(-1) for v in tensors.values()]
         flat = [v if v.dtype in _WORDS else v.to(_F64) for v in flat]
-        host = torch.cat([v.contiguous().view(torch.int32) for v in flat]).cpu().numpy()
+        words = [v.contiguous().view(torch.int32) for v in flat]
+        host = (words[0] if len(words) == 1 else torch.cat(words)).cpu().numpy()  # one: no copy on the device
         pos = 0
-        for i, v in zip(items, flat):
+        for key, v in zip(tensors, flat):
             n = v.numel() * v.element_size() // 4
-            out[i], pos = host[pos: pos + n].view(_WORDS[v.dtype]), pos + n
-    return out
+            moved[key], pos = host[pos: pos + n].view(_WORDS[v.dtype]), pos + n
+    return [moved.get(id(v), v) for v in values]
 
 
 def on_device(v) -> bool:
@@ -522,15 +526,22 @@ def _finish(p: Pending, v: dict) -> Reading | None:
     if p.reading is not None:
         p.reading.layer = p.layer  # the name the trace settled on
         return p.reading
-    shape = p.shape
-    if "fused" in v:
-        v.update(fused.unpack(v.pop("fused"), p.histogram, p.bounds is not None))
+    shape, left_out = p.shape, 0
     if p.rows is not None:  # entries a device left out, as NaN: out of the count and the shape
         kept = int(np.asarray(v.pop("kept_rows")).sum())
         if not kept:
             return None
         shape = (kept, *shape[1:])
-        v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - (p.rows - kept) * math.prod(shape[1:])
+        left_out = (p.rows - kept) * math.prod(shape[1:])
+    meta = dict(shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer, kind=p.kind, stream=p.stream,
+                dtype=p.dtype, bounds=p.bounds, param=p.param)
+    if "fused" in v:
+        words = v["fused"] if p.span is None else v["fused"][p.span]
+        st = fused.unpack(words, p.histogram, p.bounds is not None, math.prod(p.shape), p.dtype != "float64")
+        st["totals"][7] -= left_out
+        return Reading.from_kernel(st, **meta)
+    if left_out:
+        v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - left_out
     if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
         finite, nan = np.asarray(v["unit_count"]).sum(), np.asarray(v["nan_count"]).sum()
         v["inf_count"] = math.prod(shape) - int(finite) - int(nan)
@@ -539,9 +550,7 @@ def _finish(p: Pending, v: dict) -> Reading | None:
                 a = np.asarray(v[k])
                 v[k] = np.where(np.isinf(a), np.nan, a)
     norm = v.pop("update_norm", None)
-    return Reading.from_stats(v, shape=shape, unit_axis=p.unit_axis, per_unit=p.per_unit, layer=p.layer,
-                              kind=p.kind, stream=p.stream, dtype=p.dtype, bounds=p.bounds, param=p.param,
-                              update_norm=None if norm is None else float(np.asarray(norm).reshape(-1)[0]))
+    return Reading.from_stats(v, **meta, update_norm=None if norm is None else float(np.asarray(norm).reshape(-1)[0]))
 
 
 def all_reduce(readings: list[Reading], device: torch.device | None = None, groups=(None,)) -> None:
