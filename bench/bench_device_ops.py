@@ -9,13 +9,17 @@ count sets a reading's cost where the model's own kernels are small (an H200 mea
 `bench_torch.py --device cuda`). Every tensor is read as a device's (`on_device`): the histogram
 by `bucketize_histogram`, the statistics moved by one transfer (one per forward, of every reading
 at once: here of one). A per-step gradient reading (`layer_readings`) of a layer's weight and bias:
-by torch kernels, or one fused kernel for every gradient of a dtype.
+by torch kernels, or one fused kernel for every gradient of a dtype. Last, the host's time around
+each tensor of a probe batch on the fused path, its launches left out (what a GPU's host spends
+per read tensor whatever the kernels take: an H200 measured it as the rest of a reading's cost).
 Run: .venv/bin/python bench/bench_device_ops.py
 """
 from __future__ import annotations
 
 import collections
 import os
+import statistics
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: its kernels on CPU tensors
 import torch
@@ -108,6 +112,27 @@ def attention_launches() -> tuple[collections.Counter, int]:
     return mode.ops, len(calls)
 
 
+def host_time(n: int = 320, repeat: int = 15) -> tuple[float, float]:
+    """The host's µs a tensor in `reduce_tensors` and `to_readings` of a probe batch on the fused path
+    (a deep Llama's reading: 3/4 of its `n` tensors of 64 units, 1/4 of 256, a tanh among each
+    four), the kernels' launches left out: medians of `repeat`."""
+    class Unlaunched:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    fused._batch = lambda: (fused._triton(), Unlaunched())[1]  # `tl` set, no launch
+    tensors = [torch.randn(512, 64) for _ in range(n * 3 // 4)] + [torch.randn(512, 256) for _ in range(n // 4)]
+    calls = [(t, 1, "tanh" if i % 4 == 1 else "linear", dict(layer=f"t{i}")) for i, t in enumerate(tensors)]
+    spent = []
+    for _ in range(repeat + 3):
+        t0 = time.perf_counter()
+        pending = reductions.reduce_tensors(calls)
+        t1 = time.perf_counter()
+        reductions.to_readings(pending)
+        spent.append((t1 - t0, time.perf_counter() - t1))
+    reduce, finish = (statistics.median(s) / n * 1e6 for s in zip(*spent[3:]))
+    return reduce, finish
+
+
 def main() -> None:
     kernel.available = False  # the path every tensor the C kernel does not take goes
     reductions.on_device = lambda v: isinstance(v, torch.Tensor)  # and its statistics' transfer, as from a device
@@ -127,6 +152,10 @@ def main() -> None:
         label = name if readings == 1 else f"{name} ({readings} readings)"
         print(f"{label:<28} {sum(ops.values()):>9} {sum(fused_ops.values()):>5}   {top}")
     print("(fused batches and gradients: also a copy, no kernel, of their table to the device)")
+    if fused.installed():
+        reduce, finish = host_time()
+        print(f"host time a tensor of a probe batch on the fused path, launches left out: reduce_tensors "
+              f"{reduce:.1f} us, to_readings {finish:.1f} us")
 
 
 if __name__ == "__main__":
