@@ -254,7 +254,7 @@ def _constants(device: torch.device, dtype: torch.dtype, bounds: tuple | None) -
 @_fallible
 def stats(x: torch.Tensor, axis: int, bounds: tuple | None, histogram: bool) -> torch.Tensor | None:
     """`_masked`'s statistics of `x` over every axis but `axis` (and its histogram where asked, the
-    `sat_counts` of bounded kinds) in one int64 buffer on its device, which `unpack` names on the host:
+    `sat_counts` of bounded kinds) in one int64 buffer on its device, which `unpack` reads on the host:
     one memset, one launch of the kernel and, for a tensor cut among programs along its values, one
     reduction of their parts."""
     x = x.contiguous()
@@ -349,7 +349,8 @@ def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow
     """`stats`' buffer on the host as `kernel.reduce_many` gives a tensor's statistics, for
     `Reading.from_kernel`: the TOTALS row (the layer's numbers from the units', `count` values read in
     all) and the per-unit columns, views of the buffer; the extremes of a `narrow` tensor (float32 or
-    narrower, exact in float32) as float32, a float64 one's as they are (rounded outward there)."""
+    narrower, exact in float32) as float32, a float64 one's in float64 (`from_kernel` rounds them
+    outward), NaN where a unit has no finite value."""
     words = np.asarray(words)
     units = (len(words) - _TOTALS) // 9
     per, totals = words[: 9 * units].reshape(9, units), words[9 * units:]
@@ -357,8 +358,8 @@ def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow
     s1, s2, s3, s4 = np.add.reduce(sums[:4], axis=1).tolist()
     finite, zeros = np.add.reduce(per[7:], axis=1).tolist()
     nans = int(totals[_HIST])
-    lo, hi = float(np.minimum.reduce(sums[4])), float(np.maximum.reduce(sums[5]))
-    extremes = sums[4:].astype(np.float32) if narrow else sums[4:]
+    lo, hi = float(np.fmin.reduce(sums[4])), float(np.fmax.reduce(sums[5]))  # as `from_stats` (0 before -0)
+    extremes = sums[4:].astype(np.float32 if narrow else np.float64)  # a copy: the buffer stays as it came
     if finite < count and not per[7].all():  # ±inf where a unit has no finite value: NaN there
         extremes[:, per[7] == 0] = np.nan
     st = dict(totals=np.array([s1, s2, s3, s4, lo if lo < math.inf else math.nan, hi if hi > -math.inf else math.nan,

@@ -73,10 +73,10 @@ class Reading:
     def from_stats(cls, stats: dict, *, shape: tuple, unit_axis: int | None, per_unit: bool = True,
                    **meta) -> "Reading":
         """A reading from per-unit statistics named as the spec's columns (`unit_sum` … `unit_count`,
-        `hist`, `sat_counts`, `nan_count`, `inf_count`), as every backend gives them; the layer
-        totals follow from them (spec §Columns); the C kernel's results take `from_kernel`.
-        Without `per_unit` only the totals are kept. Float64 extremes are rounded outward to float32,
-        so a nonzero value never becomes 0."""
+        `hist`, `sat_counts`, `nan_count`, `inf_count`), as torch kernels and the reference give them;
+        the layer totals follow from them (spec §Columns); the C kernel's and the fused GPU kernels'
+        results take `from_kernel`. Without `per_unit` only the totals are kept. Float64 extremes are
+        rounded outward to float32, so a nonzero value never becomes 0."""
         v = {k: x if type(x) is np.ndarray else np.asarray(x) for k, x in stats.items() if x is not None}
         # units with no finite value hold NaN extremes, which fmin/fmax pass over
         total, squares, zeros = float(_add(v["unit_sum"])), float(_add(v["unit_sumsq"])), _add(v["unit_zero"])

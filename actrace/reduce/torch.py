@@ -37,9 +37,9 @@ _sides: dict = {}  # device -> its side stream
 
 @dataclass
 class Pending:
-    """A reading on its way to the host: its statistics, named as the spec's columns (as
-    `actrace.reduce.reference` names them), numpy arrays from the fused kernel or tensors on the device
-    from the torch path, all taken already; a parameter reading may hold `update_norm`, a 0-d tensor."""
+    """A reading on its way to the host: its statistics, all taken already, on its tensor's device:
+    the fused kernels' buffer (`fused`), or torch kernels' tensors named as the spec's columns (as
+    `actrace.reduce.reference` names them); or its `reading`, made already from the C kernel's."""
 
     layer: str
     kind: str
@@ -549,8 +549,7 @@ def _finish(p: Pending, v: dict) -> Reading | None:
             if k in v:
                 a = np.asarray(v[k])
                 v[k] = np.where(np.isinf(a), np.nan, a)
-    norm = v.pop("update_norm", None)
-    return Reading.from_stats(v, **meta, update_norm=None if norm is None else float(np.asarray(norm).reshape(-1)[0]))
+    return Reading.from_stats(v, **meta)
 
 
 def all_reduce(readings: list[Reading], device: torch.device | None = None, groups=(None,)) -> None:
