@@ -345,12 +345,13 @@ def _programs(tensors: list[tuple], block_u: int) -> np.ndarray:
     return table
 
 
-def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow: bool) -> dict:
+def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow: bool, left_out: int = 0) -> dict:
     """`stats`' buffer on the host as `kernel.reduce_many` gives a tensor's statistics, for
     `Reading.from_kernel`: the TOTALS row (the layer's numbers from the units', `count` values read in
-    all) and the per-unit columns, views of the buffer; the extremes of a `narrow` tensor (float32 or
-    narrower, exact in float32) as float32, a float64 one's in float64 (`from_kernel` rounds them
-    outward), NaN where a unit has no finite value."""
+    all, `left_out` of them NaN standing for entries a device left out: not counted) and the per-unit
+    columns, views of the buffer; the extremes of a `narrow` tensor (float32 or narrower, exact in
+    float32) as float32, a float64 one's in float64 (`from_kernel` rounds them outward), NaN where a
+    unit has no finite value."""
     words = np.asarray(words)
     units = (len(words) - _TOTALS) // 9
     per, totals = words[: 9 * units].reshape(9, units), words[9 * units:]
@@ -363,7 +364,7 @@ def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow
     if finite < count and not per[7].all():  # ±inf where a unit has no finite value: NaN there
         extremes[:, per[7] == 0] = np.nan
     st = dict(totals=np.array([s1, s2, s3, s4, lo if lo < math.inf else math.nan, hi if hi > -math.inf else math.nan,
-                               zeros, nans, count - finite - nans]),
+                               zeros, nans - left_out, count - finite - nans]),
               unit_count=per[7], unit_zero=per[8], unit_sum=sums[0], unit_sumsq=sums[1], unit_min=extremes[0],
               unit_max=extremes[1], unit_min_dev=extremes[2], hist=totals[: bins.N_BINS] if histogram else None)
     if bounded:

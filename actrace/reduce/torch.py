@@ -537,9 +537,8 @@ def _finish(p: Pending, v: dict) -> Reading | None:
                 dtype=p.dtype, bounds=p.bounds, param=p.param)
     if "fused" in v:
         words = v["fused"] if p.span is None else v["fused"][p.span]
-        st = fused.unpack(words, p.histogram, p.bounds is not None, math.prod(p.shape), p.dtype != "float64")
-        st["totals"][7] -= left_out
-        return Reading.from_kernel(st, **meta)
+        return Reading.from_kernel(fused.unpack(words, p.histogram, p.bounds is not None, math.prod(p.shape),
+                                                p.dtype != "float64", left_out), **meta)
     if left_out:
         v["nan_count"] = int(np.asarray(v["nan_count"]).sum()) - left_out
     if "inf_count" not in v and "unit_count" in v:  # the torch path's (`_masked`): what it left to the host
