@@ -46,7 +46,7 @@ class Launches(TorchDispatchMode):
 
 
 def counted(real):
-    """A fused kernel (`fused._kernel`, `fused._totals`) whose every launch counts as one (`triton`),
+    """A fused kernel (`fused._kernel`, `fused._scores`, ...) whose every launch counts as one (`triton`),
     what the interpreter does inside it not."""
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
@@ -60,7 +60,7 @@ def counted(real):
     return Launcher
 
 
-KERNELS = {name: getattr(fused, name) for name in ("_kernel", "_batch", "_totals")}
+KERNELS = {name: getattr(fused, name) for name in ("_kernel", "_batch", "_totals", "_scores")}
 
 
 CASES = {  # name: (tensor, unit axis, kind, options)

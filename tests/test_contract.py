@@ -315,6 +315,11 @@ if sys.argv[1] == "totals":  # a per-step gradient reading's, of bfloat16 tensor
 elif sys.argv[1] == "batch":  # a probe's many tensors, float32, unit last, bounded, with histogram
     kernel, signature = fused._batch(), {"table_ptr": "*i64", "edges_ptr": "*fp32", "words_ptr": "*i64"}
     constants = dict(DTYPE=tl.float32, BLOCK_R=16, BLOCK_U=32, HIST=256, BINS=141, NSAT=6, NLOW=3)
+elif sys.argv[1] == "scores":  # an attention's per-head numbers, 12 heads
+    kernel = fused._scores()
+    signature = {**dict.fromkeys(["x_ptr", "peak_ptr", "entropy_ptr", "sink_ptr"], "*fp32"), "n_ptr": "*i64",
+                 **dict.fromkeys(["heads", "queries", "keys", "reach"], "i32"), "lowest": "fp32"}
+    constants = dict(BLOCK_H=16, BLOCK_K=256)
 else:
     dtype, block_u, bins, nsat = sys.argv[1], *map(int, sys.argv[2:])
     kernel = fused._kernel()
@@ -329,13 +334,13 @@ print(len(compiled.asm["cubin"]), f".entry {kernel.__name__}" in compiled.asm["p
 
 
 @pytest.mark.skipif(_missing("triton") is not None, reason="triton not installed")
-@pytest.mark.parametrize("launch", [("fp32", 32, 141, 6), ("fp64", 1, 0, 0), ("batch",), ("totals",)],
-                         ids=["unit-last", "unit-inside", "batch", "totals"])
+@pytest.mark.parametrize("launch", [("fp32", 32, 141, 6), ("fp64", 1, 0, 0), ("batch",), ("totals",), ("scores",)],
+                         ids=["unit-last", "unit-inside", "batch", "totals", "scores"])
 def test_the_fused_kernels_compile_for_a_gpu_where_none_is(launch, tmp_path):
     """The interpreter that runs the `triton` backend here forgives what a GPU's compiler does not:
     the per-unit kernel, as a unit-last (bounded, with histogram) and a unit-inside reading launch
-    it, its batch of many tensors, and the per-step gradients' kernel are compiled to sm_90 binaries
-    here too (in a process of their own: no interpreter there)."""
+    it, its batch of many tensors, the per-step gradients' kernel and an attention's per-head numbers'
+    are compiled to sm_90 binaries here too (in a process of their own: no interpreter there)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", COMPILE, *map(str, launch)], env=env, capture_output=True,
                           text=True, timeout=HUNG)

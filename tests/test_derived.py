@@ -41,6 +41,22 @@ def attention(logits: torch.Tensor, causal: bool = False) -> dict[str, torch.Ten
     return {kind: t if rows is None else t[rows] for kind, (t, rows) in derived.attention(logits, causal).items()}
 
 
+# How `derived.attention` computes: by the C kernel (a CPU's), by torch ops (a GPU's without Triton), by
+# the fused Triton kernel (a GPU's: Triton's interpreter runs it on CPU tensors where no GPU is), on a GPU
+SCORED_BY = ["c-kernel", "torch-ops"] + (["cuda"] if torch.cuda.is_available() else ["triton"])
+
+
+def scored_by(where: str, monkeypatch) -> str:
+    """The device of the scores `where` (of SCORED_BY) reads, the other paths turned off."""
+    from actrace.reduce import fused, kernel
+
+    if where in ("torch-ops", "triton"):
+        monkeypatch.setattr(kernel, "available", False)
+    if where == "triton":
+        monkeypatch.setattr(fused, "usable", lambda t, narrow=False: t.dtype == torch.float32)
+    return "cuda" if where == "cuda" else "cpu"
+
+
 def test_the_per_head_numbers_of_known_scores():
     """Head 0 one-hot on key 1 (entropy 0, no mass on the first key), head 1 uniform over 4 keys
     (entropy 1, mass 1/4 on the first), a masked key left out of every number; a NaN score is read
@@ -448,23 +464,22 @@ def _tricky_scores(case: str) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("where", SCORED_BY)
 @pytest.mark.parametrize("case", ["plain", "causal-min", "causal-inf", "left-padded", "query-masked", "nan", "peaked",
                                   "nan-masked-elsewhere", "large", "long", "threads"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_fast_per_head_numbers_are_the_numpy_definitions(case, where, causal, monkeypatch):
-    """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores;
-    elsewhere a softmax in a reused buffer, entropy as log Z minus the expected logit) give the
-    core's numpy definition (spec §Derived readings); SDPA's causal mask given as a flag (applied by
-    the kernel as it reads) leaves out what the same mask filled in does. On CUDA where a GPU is present."""
+    """The PyTorch adapter's fast paths (on a CPU the fused kernel's one read of the scores, on a GPU
+    its Triton twin's; elsewhere a softmax in a reused buffer, entropy as log Z minus the expected
+    logit) give the core's numpy definition (spec §Derived readings); SDPA's causal mask given as a
+    flag (applied by the kernels as they read) leaves out what the same mask filled in does. On CUDA
+    where a GPU is present."""
     from actrace.reduce import derived as definition
-    from actrace.reduce import kernel
 
-    if where == "torch-ops":
-        monkeypatch.setattr(kernel, "available", False)
+    device = scored_by(where, monkeypatch)
     x = _tricky_scores(case)
     later = ~torch.ones(x.shape[-2:], dtype=torch.bool).tril()  # SDPA's is_causal: key j > query i left out
-    fast = attention(x.to("cuda" if where == "cuda" else "cpu"), causal=causal)
+    fast = attention(x.to(device), causal=causal)
     want = definition.attention((x.masked_fill(later, -math.inf) if causal else x).numpy())
     for kind in ATTENTION_KINDS:
         assert fast[kind].shape == want[kind].shape, kind
@@ -487,22 +502,20 @@ def test_a_probe_read_in_chunks_gives_the_derived_readings_of_the_whole(tmp_path
             np.testing.assert_allclose(a[col], b[col], rtol=1e-5, atol=1e-6, err_msg=f"{a['layer']} {col}")
 
 
-@pytest.mark.parametrize("where", ["c-kernel", "torch-ops"])
+@pytest.mark.parametrize("where", SCORED_BY)
 def test_a_key_one_head_masks_is_left_out_of_every_heads_numbers(where, monkeypatch):
     """Head 0 masks key 2, where head 1 scores far above its other keys: key 2 is left out for both
     (spec §Derived readings), so head 1's largest logit, entropy and first-key mass are those of
     keys 0, 1 and 3 alone, in the fast path as in the definition."""
     from actrace.reduce import derived as definition
 
-    from actrace.reduce import kernel
-
-    if where == "torch-ops":
-        monkeypatch.setattr(kernel, "available", False)
+    device = scored_by(where, monkeypatch)
     x = torch.tensor([[[[1.0, 2.0, 0.0, 0.5]], [[0.3, 0.1, 200.0, 0.2]]]])
     x[0, 0, 0, 2] = torch.finfo(torch.float32).min
     live = torch.tensor([0.3, 0.1, 0.2])
     p = torch.softmax(live, 0)
-    for got in (attention(x), {k: torch.as_tensor(v) for k, v in definition.attention(x.numpy()).items()}):
+    fast = {k: v.cpu() for k, v in attention(x.to(device)).items()}
+    for got in (fast, {k: torch.as_tensor(v) for k, v in definition.attention(x.numpy()).items()}):
         assert float(got["attention_logit"][0, 1]) == pytest.approx(0.3)
         assert float(got["attention_entropy"][0, 1]) == pytest.approx(float(-(p * p.log()).sum() / math.log(3)), rel=1e-5)
         assert float(got["attention_sink"][0, 1]) == pytest.approx(float(p[0]), rel=1e-5)

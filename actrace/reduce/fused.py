@@ -205,6 +205,56 @@ def _totals_kernel(table_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     tl.store(row + 6, tl.sum(nan.to(tl.int64), 0).to(tl.float64))
 
 
+def _scores_kernel(x_ptr, peak_ptr, entropy_ptr, sink_ptr, n_ptr, heads, queries, keys, reach, lowest,
+                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: one query of one sequence of float32 scores [B, H, Q, K], as the C kernel's
+    `score_query` reads it (`kernel.attention_scores`): keys past `reach` after the query's position,
+    or that any head scores at or below `lowest`, left out for every head; per head its peak over the
+    rest (NaN where one is NaN), then log Z and the expected logit about the peak in a second pass."""
+    p = tl.program_id(0).to(tl.int64)  # b · Q + q
+    q = p % queries
+    h = tl.arange(0, BLOCK_H)
+    hm = h < heads
+    rows = x_ptr + (((p // queries) * heads + h) * queries + q) * keys  # each head's row of keys
+    span = tl.minimum(q + reach + 1, keys)  # keys from here on are never kept: not read
+    n = tl.zeros([1], tl.int64)
+    first = tl.full([1], keys, tl.int64)
+    hi = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    bad = tl.zeros([BLOCK_H], tl.int32)
+    for start in range(0, span, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K).to(tl.int64)
+        v = tl.load(rows[:, None] + k[None, :], mask=hm[:, None] & (k < span)[None, :], other=0.0)
+        keep = (k < span) & (tl.max((hm[:, None] & (v <= lowest)).to(tl.int32), 0) == 0)  # NaN is kept: read
+        live = hm[:, None] & keep[None, :]
+        n += tl.sum(keep.to(tl.int64), 0)
+        first = tl.minimum(first, tl.min(tl.where(keep, k, keys), 0))
+        bad |= tl.max((live & (v != v)).to(tl.int32), 1)
+        hi = tl.maximum(hi, tl.max(tl.where(live & (v == v), v, float("-inf")), 1))
+    top = tl.where(tl.abs(hi) < float("inf"), hi, 0.0)  # a head without a finite peak is unknown: any will do
+    total = tl.zeros([BLOCK_H], tl.float64)
+    expected = tl.zeros([BLOCK_H], tl.float64)
+    for start in range(0, span, BLOCK_K):  # e^(x - peak) and its x - peak, each no lower than -87
+        k = start + tl.arange(0, BLOCK_K).to(tl.int64)
+        v = tl.load(rows[:, None] + k[None, :], mask=hm[:, None] & (k < span)[None, :], other=0.0)
+        keep = (k < span) & (tl.max((hm[:, None] & (v <= lowest)).to(tl.int32), 0) == 0)
+        live = hm[:, None] & keep[None, :]
+        d = tl.maximum(tl.where(live, v, top[:, None]) - top[:, None], -87.0)
+        e = tl.where(live, tl.exp(d), 0.0)
+        total += tl.sum(e, 1).to(tl.float64)
+        expected += tl.sum(e * d, 1).to(tl.float64)
+    unknown = (bad != 0) | (n == 0) | (tl.abs(hi) == float("inf"))
+    total = tl.where(unknown, 1.0, total)
+    d0 = tl.load(rows + tl.minimum(first, keys - 1), mask=hm, other=0.0) - top
+    nats = tl.log(total) - expected / total
+    out = p * heads + h
+    tl.store(peak_ptr + out, tl.where(bad != 0, float("nan"), hi), mask=hm)
+    tl.store(entropy_ptr + out, tl.where(unknown, float("nan"), tl.maximum(nats, 0.0)
+                                         / tl.log(tl.maximum(n, 2).to(tl.float64))).to(tl.float32), mask=hm)
+    tl.store(sink_ptr + out, tl.where(unknown, float("nan"), tl.exp(tl.maximum(d0, -87.0)).to(tl.float64)
+                                      / total).to(tl.float32), mask=hm)
+    tl.store(n_ptr + p + tl.arange(0, 1), n)
+
+
 def _triton():
     """triton, imported at the first GPU reading, with `tl` set: the kernels' global, read when Triton
     compiles them (or interprets them, on CPU tensors, where TRITON_INTERPRET was set before the import)."""
@@ -234,6 +284,12 @@ def _totals():
     """`_totals_kernel`, as `_kernel` makes its own."""
     return _triton().jit(_totals_kernel)
 
+
+
+@functools.cache
+def _scores():
+    """`_scores_kernel`, as `_kernel` makes its own."""
+    return _triton().jit(_scores_kernel, do_not_specialize=["queries", "keys", "reach"])
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -344,6 +400,23 @@ def _programs(tensors: list[tuple], block_u: int) -> np.ndarray:
     table[:, 4] = (np.arange(len(table)) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * block_u
     return table
 
+
+
+@_fallible
+def attention_scores(x: torch.Tensor, lowest: float, reach: int | None) -> tuple[torch.Tensor, ...] | None:
+    """`kernel.attention_scores` of float32 scores `[B, H, Q, K]` on a GPU: one launch, a program per
+    query reading its keys for every head at once, nothing moved to the host."""
+    x = x.contiguous()
+    batch, heads, queries, keys = x.shape
+    peak, entropy, sink = (torch.empty((batch, queries, heads), dtype=torch.float32, device=x.device)
+                           for _ in range(3))
+    n = torch.empty((batch, queries), dtype=torch.int64, device=x.device)
+    block_h = 1 << (heads - 1).bit_length()
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _scores()[(batch * queries,)](x, peak, entropy, sink, n, heads, queries, keys,
+                                       keys if reach is None else reach, lowest, BLOCK_H=block_h,
+                                       BLOCK_K=max(16, min(1 << (keys - 1).bit_length(), 4096 // block_h)))
+    return peak, entropy, sink, n
 
 def unpack(words: np.ndarray, histogram: bool, bounded: bool, count: int, narrow: bool, left_out: int = 0) -> dict:
     """`stats`' buffer on the host as `kernel.reduce_many` gives a tensor's statistics, for

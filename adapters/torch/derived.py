@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actrace.reduce import kernel
+from actrace.reduce import fused, kernel
 from actrace.reduce.torch import scratch, scratch_like
 
 from .axes import arg
@@ -32,19 +32,23 @@ def attention(logits: torch.Tensor | None, causal: bool = False) -> dict[str, tu
     two keys, for the entropy): the reading keeps those (`reduce_tensor`'s `rows`), so nothing
     here waits for the device to say which they are; on the host, those queries alone and None.
     A NaN score stays: it is read as one. On a CPU, by the fused kernel (one read of the scores,
-    the causal mask applied as it reads); elsewhere by torch."""
+    the causal mask applied as it reads); on a GPU by its Triton twin (`fused.attention_scores`, one
+    launch); elsewhere by torch."""
     if logits is None:
         return None
     lowest = torch.finfo(logits.dtype).min / 2
     x = logits.detach().float()
     if x.device.type == "cpu" and kernel.available:
         peak, entropy, sink, n = kernel.attention_scores(x.contiguous().numpy(), lowest, 0 if causal else None)
+    elif fused.usable(x) and (got := fused.attention_scores(x, lowest, 0 if causal else None)) is not None:
+        peak, entropy, sink, n = got
     else:
         if causal:
             x = x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril(), _LEFT_OUT)
         peak, entropy, sink, n = _per_head(x, lowest)
-    return {"attention_logit": _kept(peak, n >= 1), "attention_entropy": _kept(entropy, n >= 2),
-            "attention_sink": _kept(sink, n >= 1)}
+    attends = n >= 1
+    return {"attention_logit": _kept(peak, attends), "attention_entropy": _kept(entropy, n >= 2),
+            "attention_sink": _kept(sink, attends)}
 
 
 def _kept(per_query, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,17 +159,18 @@ def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tor
     key head serving each of its group of query heads (grouped-query attention)."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    return _scores(q * (scale if scale is not None else 1 / math.sqrt(q.shape[-1])), k)
+    return _scores(q, k, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q·kᵀ of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
-    softmax of `attention` takes slot 0, its masked scores slot 2)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """q·kᵀ·scale of `[B, H, Q, E]` and `[B, H, K, E]` in float32, into a reused buffer (slot 1: the
+    softmax of `attention` takes slot 0, its masked scores slot 2): one product, the scale applied
+    in it (no scaled copy of q)."""
     *lead, lq, d = q.shape
-    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1)
-    torch.bmm(q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
-              out=out.view(-1, lq, k.shape[-2]))
-    return out
+    out = scratch((*lead, lq, k.shape[-2]), torch.float32, q.device, slot=1).view(-1, lq, k.shape[-2])
+    torch.baddbmm(out, q.float().reshape(-1, lq, d), k.float().reshape(-1, k.shape[-2], d).transpose(1, 2),
+                  beta=0, alpha=scale, out=out)
+    return out.view(*lead, lq, k.shape[-2])
 
 
 def _masked(x: torch.Tensor, mask, allowed: bool) -> torch.Tensor:
