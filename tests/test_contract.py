@@ -21,7 +21,7 @@ import pytest
 from actrace.reduce import kernel
 from actrace import ReductionError, merge, reduce_array
 from actrace.reduce import Reading, reference
-from actrace.format.schema import COLUMNS, MERGE, bounds_for
+from actrace.format.schema import COLUMNS, MERGE, SAT_COUNTS, bounds_for, sat_thresholds
 from conftest import HUNG
 
 LAYOUTS = {"dense": ((6, 5), 1), "nchw": ((6, 3, 4, 2), 1), "nhwc": ((6, 4, 2, 3), -1),
@@ -264,6 +264,22 @@ def test_a_unit_on_one_side_of_the_centre_stores_its_least_distance_rounded_down
     np.testing.assert_array_equal(got.unit_min_dev, [np.nextafter(np.float32(t), np.float32(-1)) if np.float32(t) > t
                                                      else np.float32(t) for t in truth])
 
+
+@pytest.mark.parametrize("backend", list(one_sided()))
+def test_float32_values_either_side_of_each_saturation_level_are_counted_as_in_float64(backend, monkeypatch):
+    """`sat_counts` compares with each level in float64 whatever the dtype (spec §Columns): the float32
+    nearest 0.9 is 0.89999998, below it, so a sigmoid unit of it counts nothing at 0.9, while the
+    float32 nearest 0.001 lies above 0.001; every float32 next to each level, on either side of it,
+    counted as its float64 value is."""
+    levels = np.array(sat_thresholds(bounds_for("sigmoid")))
+    near = np.float32(levels)
+    x = np.concatenate([near, np.nextafter(near, np.float32(0)), np.nextafter(near, np.float32(1))])[:, None]
+    wide, half = x.astype(np.float64), len(SAT_COUNTS) // 2
+    assert not np.isin(wide, levels).any()  # no float32 is a level: each is counted on one side of it
+    truth = [int((wide <= v).sum()) for v in levels[:half]] + [int((wide >= v).sum()) for v in levels[half:]]
+    fn = BACKENDS[backend][0]
+    got = fn(np.ascontiguousarray(x), 1, "sigmoid", False, **fixtures(backend, monkeypatch))
+    assert got.sat_counts.tolist() == truth
 
 def mutated():
     """(backend, dtype) of every backend that takes a tensor of that dtype in (ONNX Runtime makes its

@@ -19,7 +19,7 @@ def _f32_inward(v: float, up: bool) -> float:
     """The float32 nearest `v` on the side of the values a comparison keeps: for float32 x,
     `x >= v` ⇔ `x >= _f32_inward(v, up=True)` and `x <= v` ⇔ `x <= _f32_inward(v, up=False)`."""
     f = np.float32(v)
-    if (f < v) if up else (f > v):
+    if (float(f) < v) if up else (float(f) > v):  # in float64: numpy 2 compares np.float32 and float in float32
         f = np.nextafter(f, np.float32(np.inf if up else -np.inf))
     return float(f)
 
