@@ -44,8 +44,8 @@ class Thresholds:
     dormant_tau: float = 0.1
 
     def __post_init__(self):
-        if self.dead_eps < 0:
-            raise ValueError(f"--dead-eps must be ≥ 0, got {self.dead_eps}")
+        if not 0 <= self.dead_eps < np.inf:  # NaN too: no unit's max |h| is at most NaN
+            raise ValueError(f"--dead-eps must be a finite number ≥ 0, got {self.dead_eps}")
         if not 0 < self.sat_threshold < 1:
             raise ValueError(f"--sat-threshold must lie in (0, 1), got {self.sat_threshold}")
         if not 0 < self.dormant_tau < 1:

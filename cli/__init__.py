@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -336,6 +337,29 @@ def cmd_demo(args) -> int:
     return run_demo(args.output)
 
 
+def number(low: float = -math.inf, high: float = math.inf, *, above: bool = False):
+    """An option's type: a finite float in [low, high] (above `low` where `above`). NaN compares false
+    with every limit, so a NaN threshold would switch its gate off: refused, as ±inf."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            where = f" in [{low:g}, {high:g}]" if high < math.inf else \
+                f" {'above' if above else 'at least'} {low:g}" if low > -math.inf else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number{where}")
+        return value
+    return parse
+
+
+def count(text: str) -> int:
+    """An option's type: a whole number of 1 or more."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 1 or more")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actrace", description=__doc__.split(":")[0] + ": per-layer "
                                      "activation and gradient health traces.", epilog=EXAMPLES,
@@ -385,11 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     def analyzer_command(name, help_text, func):
         p = sub.add_parser(name, help=help_text, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("paths", nargs="+", metavar="PATH", help="trace files, .parts dirs, globs or folders")
-        p.add_argument("--dead-eps", type=float, default=0.0, metavar="EPS",
+        p.add_argument("--dead-eps", type=number(0), default=0.0, metavar="EPS",
                        help="a unit is dead when max |h| over the probe is <= EPS (default 0)")
-        p.add_argument("--sat-threshold", type=float, default=0.99, metavar="T",
+        p.add_argument("--sat-threshold", type=number(), default=0.99, metavar="T",
                        help="saturated when within (1-T) of a bound, e.g. |tanh| >= T (default 0.99)")
-        p.add_argument("--dormant-tau", type=float, default=0.1, metavar="TAU",
+        p.add_argument("--dormant-tau", type=number(), default=0.1, metavar="TAU",
                        help="a live unit is dormant when its RMS is <= TAU x the layer's mean unit RMS (default 0.1)")
         p.add_argument("--baseline", metavar="RUN", help="run the others are compared with (default: the first)")
         p.add_argument("--x", choices=["step", "progress"], default="step",
@@ -419,9 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "SELECT * FROM read_parquet('runs/*.parquet', union_by_name = true)")
     p.add_argument("--dialect", choices=["duckdb", "spark"], default="duckdb")
     p.add_argument("--table", default="readings", help="the table of trace rows (default readings)")
-    p.add_argument("--dead-eps", type=float, default=0.0, metavar="EPS", help="as in summary (default 0)")
-    p.add_argument("--sat-threshold", type=float, default=0.99, metavar="T", help="as in summary (default 0.99)")
-    p.add_argument("--dormant-tau", type=float, default=0.1, metavar="TAU", help="as in summary (default 0.1)")
+    p.add_argument("--dead-eps", type=number(0), default=0.0, metavar="EPS", help="as in summary (default 0)")
+    p.add_argument("--sat-threshold", type=number(), default=0.99, metavar="T", help="as in summary (default 0.99)")
+    p.add_argument("--dormant-tau", type=number(), default=0.1, metavar="TAU", help="as in summary (default 0.1)")
     p.set_defaults(func=cmd_sql)
 
     p = analyzer_command("diff", "where and when runs part from a baseline, against its own noise (exit 1 if any)",
@@ -429,9 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "csv"], default="text", help="json/csv: every parting")
     p.add_argument("--compared", nargs="+", default=[], help=argparse.SUPPRESS)  # what `--` stands for
     p.add_argument("-o", "--output", help="write the answer here instead of stdout")
-    p.add_argument("--persist", type=int, default=3, metavar="N",
+    p.add_argument("--persist", type=count, default=3, metavar="N",
                    help="readings in a row outside the baseline's band that make a parting (default 3)")
-    p.add_argument("--sigmas", type=float, default=4.0, metavar="K",
+    p.add_argument("--sigmas", type=number(0, above=True), default=4.0, metavar="K",
                    help="band: K times the baseline's step-to-step noise, at least (default 4)")
     p.add_argument("--metrics", nargs="+", default=["dead_fraction", "saturation_value", "std", "grad_norm",
                                                     "update_ratio"], metavar="METRIC",
@@ -456,14 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write here instead of stdout")
     p = analyzer_command("check", "CI gate: fails (exit 1) on critical findings, unfinished runs and the "
                          "thresholds given", cmd_check)
-    p.add_argument("--max-dead", type=float, metavar="F", help="fail when a layer's dead fraction exceeds F")
-    p.add_argument("--max-saturation", type=float, metavar="F",
+    p.add_argument("--max-dead", type=number(0, 1), metavar="F", help="fail when a layer's dead fraction exceeds F")
+    p.add_argument("--max-saturation", type=number(0, 1), metavar="F",
                    help="fail when a layer's saturated share of values exceeds F")
-    p.add_argument("--max-saturation-units", type=float, metavar="F",
+    p.add_argument("--max-saturation-units", type=number(0, 1), metavar="F",
                    help="fail when a layer's share of units pinned at a bound for every input exceeds F")
     p.add_argument("--no-nan", action="store_true", help="fail on any NaN or Inf")
-    p.add_argument("--min-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm is below G")
-    p.add_argument("--max-grad-norm", type=float, metavar="G", help="fail when a layer's gradient norm exceeds G")
+    p.add_argument("--min-grad-norm", type=number(0), metavar="G", help="fail when a layer's gradient norm is below G")
+    p.add_argument("--max-grad-norm", type=number(0), metavar="G", help="fail when a layer's gradient norm exceeds G")
     p.add_argument("--fail-on", choices=["critical", "warning", "never"], default="critical",
                    help="fail on findings of this severity or worse (default critical: NaN, dying units, vanishing "
                         "or exploding gradients, and runs that failed, stopped or never closed); never: only the "

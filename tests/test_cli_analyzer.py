@@ -57,6 +57,14 @@ def test_check_without_rules_fails_on_critical_findings(cli, runs):
     (["summary", "nowhere/*.parquet"], "no trace matches"),
     (["summary", "--sat-threshold", "1.5", "X"], "--sat-threshold must lie in (0, 1)"),
     (["summary", "--baseline", "zzz", "R"], "--baseline 'zzz' is not one of the runs"),
+    # NaN compares false with every limit: a NaN threshold would switch its gate off, a NaN ε every death
+    (["check", "--max-dead", "nan", "X"], "argument --max-dead: 'nan': expected a finite number in [0, 1]"),
+    (["check", "--max-grad-norm", "NaN", "X"], "argument --max-grad-norm: 'NaN': expected a finite number at least 0"),
+    (["summary", "--dead-eps", "nan", "X"], "argument --dead-eps: 'nan': expected a finite number at least 0"),
+    (["sql", "--dead-eps", "-1"], "argument --dead-eps: '-1': expected a finite number at least 0"),
+    (["summary", "--sat-threshold", "nan", "X"], "argument --sat-threshold: 'nan': expected a finite number"),
+    (["diff", "--persist", "0", "X"], "argument --persist: '0': expected a whole number of 1 or more"),
+    (["diff", "--sigmas", "-1", "X"], "argument --sigmas: '-1': expected a finite number above 0"),
 ])
 def test_bad_arguments_get_a_clear_message(cli, runs, args, message):
     args = [str(runs) if a in ("X", "R") else a for a in args]
