@@ -126,6 +126,24 @@ def test_an_output_never_overwrites_an_input_nor_another_kind_of_file(tmp_path, 
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("command", [["report"], ["findings", "--format", "json"], ["check", "--format", "junit"]])
+def test_an_output_to_a_pipe_or_device_is_written_into_it_not_over_it(tmp_path, command):
+    """`-o /dev/null` or a named pipe: the answer goes into it, and it stays what it was (a file moved
+    over `/dev/null` would take it from the whole machine). A pipe stands in for the device here."""
+    import stat
+    import threading
+
+    trace, fifo, got = tmp_path / "t.parquet", tmp_path / "answer", []
+    template(trace)
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)  # blocks till written
+    reader.start()
+    code, _, err = run([*command, str(trace), "-o", str(fifo)])
+    reader.join(timeout=60)  # written: the reader has it; replaced: it waits on a pipe nobody opens
+    assert code in (0, 1), err
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and got and got[0].strip(), (got, err)
+    assert not list(tmp_path.glob(".*.tmp"))
+
 def limited(code: str, cwd: Path, file_bytes: int) -> subprocess.CompletedProcess:
     """`python -c code` with files it writes limited to `file_bytes` (RLIMIT_FSIZE): the kernel refuses
     larger writes (EFBIG) as a full disk refuses them (ENOSPC)."""

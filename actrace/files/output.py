@@ -1,6 +1,7 @@
 """Where a command writes: never over one of its own inputs, never through a symbolic link, never
-over a file that is not its own kind of output (unless forced), and atomically, so that an error
-leaves the old file or the whole new one and no temporary file behind."""
+over a file that is not its own kind of output (unless forced), never over a device or a pipe (into
+it), and atomically, so that an error leaves the old file or the whole new one and no temporary
+file behind."""
 from __future__ import annotations
 
 import os
@@ -53,8 +54,13 @@ def check(path, kind: str, inputs=(), force: bool = False) -> Path:
 
 def write(path, text: str, kind: str, inputs=(), force: bool = False) -> Path:
     """Write `text` to `path` once `check` allows it: to a temporary file beside it, then moved into
-    place; on any error the temporary file is removed and the old file stays."""
+    place; on any error the temporary file is removed and the old file stays. A device or a pipe
+    (`-o /dev/null`) is written into, never replaced by a file."""
     path = check(path, kind, inputs, force)
+    if path.exists() and not path.is_file():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
