@@ -55,8 +55,8 @@ class Analysis:
 
     @property
     def baseline(self) -> str | None:
-        """The default baseline: the run of the first trace given."""
-        return self.runs[0].get("run_name") if self.runs else None
+        """The default baseline: the run of the first trace given that holds a reading."""
+        return next((m.get("run_name") for m in self.runs if m.get("readings") != 0), None)
 
     @cached_property
     def keys(self) -> pl.DataFrame:

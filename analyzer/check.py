@@ -52,11 +52,11 @@ def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits
     last = last_reading(m, "run", "layer", "stream")
     for option, limit in (limits or {}).items():
         stream, column, sign, what = LIMITS[option]
-        rows = last.filter(pl.col("stream") == stream)
+        rows = last.filter((pl.col("stream") == stream) & pl.col(column).is_not_null())  # a tanh's, not a ReLU's
         for run in runs:
             if not rows.filter(pl.col("run") == run).height:
-                out.append(Violation(option, run, "-", option, -1, f"no {stream} reading to check --{option.replace('_', '-')} "
-                                     f"against", None, limit))
+                out.append(Violation(option, run, "-", option, -1, f"no {stream} reading with a {what} to check "
+                                     f"--{option.replace('_', '-')} against", None, limit))
         bad = rows.filter(pl.col(column) > limit if sign > 0 else pl.col(column) < limit)
         for r in bad.sort("run", "layer_index").iter_rows(named=True):
             out.append(Violation(option, r["run"], r["layer"], option, r["step"],

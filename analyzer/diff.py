@@ -8,7 +8,8 @@ resolves below (10 points of a share, a factor of 2 for a norm or a spread), `si
 step-to-step noise of the baseline and of the gap, and 1.5 times the spread of the seeds. Two
 seeds of one config start apart (another initialization) and stay so; a run whose learning rate is
 raised at step K was the baseline until K, and parts there. A gap already beyond the band at the
-first readings is said apart, as a difference from the start.
+first readings is said apart, as a difference from the start. A run parts wherever it holds a NaN
+or an Inf the baseline's reading does not, whatever the metrics asked for.
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ METRICS = {
 }
 # compared unless asked otherwise: a layer's mean depends on its initialization, so seeds differ in it
 DEFAULT_METRICS = ("dead_fraction", "saturation_value", "std", "grad_norm", "update_ratio")
+# a Parting's metric where a run holds NaN or Inf the baseline does not: compared always (no band: a NaN
+# is no noise, and every metric of the reading is unknown from there)
+NON_FINITE = "non_finite"
 
 
 @dataclass
@@ -54,11 +58,14 @@ class Parting:
     baseline_value: float
     value: float
     band: float
-    readings: int          # readings outside the band from `step` on
-    significance: float    # the median distance from the baseline over the band, from `step` on
+    readings: int          # readings outside the band from `step` on (NON_FINITE: holding NaN/Inf)
+    significance: float    # the median distance from the baseline over the band, from `step` on (NON_FINITE:
+    #                        the median count of NaN/Inf values)
 
     def change(self) -> tuple[str, str]:
         """What moved: "dead fraction 2% → 31%"; and the band it left: "±10.0%", "×/÷2"."""
+        if self.metric == NON_FINITE:
+            return f"NaN/Inf values {self.baseline_value:.0f} → {self.value:.0f}", "0"
         what, scale = METRICS[self.metric][3], METRICS[self.metric][1]
         fmt = (lambda v: f"{v:.0%}") if scale == "share" else (lambda v: f"{v:.3g}")
         band = f"±{self.band:.1%}" if scale == "share" else (f"×/÷{10 ** self.band:.3g}" if scale == "log"
@@ -67,6 +74,10 @@ class Parting:
 
     def said(self) -> str:
         change, band = self.change()
+        if self.metric == NON_FINITE:
+            return (f"{shown(self.run)} parts from {shown(self.baseline)} at step {self.step} in {shown(self.layer)}: "
+                    f"{change} ({self.stream}), in {self.readings} reading(s) from there where the baseline "
+                    "holds none")
         return (f"{shown(self.run)} parts from {shown(self.baseline)} at step {self.step} in {shown(self.layer)}: "
                 f"{change}, outside the baseline's band {band} for {self.readings} reading(s) from there")
 
@@ -154,6 +165,7 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
         on="aligned").filter(pl.col("units") != pl.col("base")).sort("run", "layer")
     widths = {run: [f"{layer} ({n} vs {b} units)" for _, layer, n, b in g.select("run", "layer", "units", "base").rows()]
               for (run,), g in both.group_by(["run"], maintain_order=True)}
+    partings += _non_finite(aligned, baselines, runs)
     for metric in metrics:
         _, scale, floor, _ = METRICS[metric]
         vals = _values(aligned, metric)
@@ -181,6 +193,24 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
             if abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]:  # medians
                 from_start.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, 0, 0.0))
     return Diff.of(partings, unaligned, from_start, widths)
+
+
+def _non_finite(aligned: pl.DataFrame, baselines: list[str], runs: list[str]) -> list[Parting]:
+    """Per run, aligned layer and stream, its first reading holding a NaN or Inf where the baselines'
+    reading at the same x holds none: a run gone NaN parts there (its metrics are unknown from there
+    on, which the bands cannot compare)."""
+    bad = (pl.col("nan_count").fill_null(0) + pl.col("inf_count").fill_null(0)).alias("bad")
+    rows = aligned.lazy().select("run", "aligned", "layer", "layer_index", "stream", "x", "step", bad)
+    base = rows.filter(pl.col("run").is_in(baselines)).group_by("aligned", "stream", "x").agg(
+        pl.col("bad").max().alias("base"))
+    hit = rows.filter(pl.col("run").is_in(runs) & (pl.col("bad") > 0)).join(base, on=["aligned", "stream", "x"]) \
+        .filter(pl.col("base") == 0).sort("run", "aligned", "stream", "x").collect()
+    out = []
+    for (run, key, stream), g in hit.group_by(["run", "aligned", "stream"], maintain_order=True):
+        r = g.row(0, named=True)
+        out.append(Parting(run, ",".join(baselines), key, r["layer"], int(r["layer_index"]), stream, NON_FINITE,
+                           int(r["step"]), 0.0, float(r["bad"]), 0.0, g.height, float(g["bad"].median())))
+    return out
 
 
 def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:

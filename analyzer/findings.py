@@ -115,6 +115,8 @@ ADVICE = {
     "run_failed": "the run ended with an exception; its readings up to then are kept",
     "run_stopped": "the run was stopped (Ctrl-C or a termination signal) before it finished; its readings up "
                    "to then are kept",
+    "run_empty": "the trace was closed without a reading: the monitor read nothing (no probe reading due, no "
+                 "layer selected?), so nothing about this run can pass a gate",
     "stream_missing": "the monitor never got what it was set to read: call monitor.step(step) after "
                       "loss.backward() and before optimizer.zero_grad()",
     "massive_activation": "a few fixed units carry values far above the rest (outlier features, attention sinks): "
@@ -592,13 +594,19 @@ def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
 
 def status_findings(runs: list[dict]) -> list[Finding]:
     """A run whose trace says it did not finish cleanly (metadata `status`, spec §File metadata): never
-    closed (`running`), ended by an exception, stopped by a signal, or closed without a stream its
-    producer set out to record. Each is critical: a gate must not pass a crashed run."""
+    closed (`running`; a `.parts` folder with no part file, too), ended by an exception, stopped by a
+    signal, or closed without a stream its producer set out to record; or closed without a reading.
+    Each is critical: a gate must not pass a crashed run, nor one it has nothing to judge by."""
     out = []
     for meta in runs:
         status, run, file = meta.get("status", ""), meta.get("run_name"), meta["file"]
-        if status == "running":
+        if status == "running" and meta.get("readings") == 0:
+            out.append(_finding("critical", "run_unfinished", run, "-", -1, f"{file} holds no part file: its writer "
+                                "was killed before its first flush, or has just begun"))
+        elif status == "running":
             out.append(_finding("critical", "run_unfinished", run, "-", -1, f"{file} was not closed (status running)"))
+        elif meta.get("readings") == 0:
+            out.append(_finding("critical", "run_empty", run, "-", -1, f"{file} holds no reading"))
         elif status.startswith("failed"):
             out.append(_finding("critical", "run_failed", run, "-", -1, f"the run ended with an exception ({status})"))
         elif status in ("interrupted", "terminated"):

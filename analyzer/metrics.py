@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actrace.format import bins
-from actrace.files.reader import TraceError, read_source, trace_sources
+from actrace.files.reader import TraceError, read_source, trace_sources, unwritten
 from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS,
-                                   SATURATING_SIDES, SPEC_VERSION, STREAMS, minor_version, sat_margin)
+                                   SATURATING_SIDES, SCHEMA, SPEC_VERSION, STREAMS, minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
 
 from .tables import RunRows, RunTables
@@ -332,7 +332,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
         warnings.warn(f"{source}: {df.height - unique.height} reading(s) repeat a (run, layer, stream, param, "
                       f"step) already in the trace (steps restarting each epoch?); the last of each is kept",
                       stacklevel=2)
-    return unique, dict(meta, file=str(source))
+    return unique, dict(meta, file=str(source), readings=unique.height)
 
 
 ORDER = ["run", "stream", "layer_index", "layer", "step"]  # the metric table's, for reading
@@ -352,6 +352,8 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
         raise TraceError(f"no traces found in {paths}")
 
     def reduce(source):
+        if (run := unwritten(source)) is not None:  # no reading, and the run not closed: said (status_findings)
+            return source, None, None, {"run_name": run, "status": "running", "file": str(source), "readings": 0}
         try:
             rows, meta = _reduce_source(source, th)
         except TraceError as exc:
@@ -368,16 +370,18 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
     # each trace holds one run (spec §Columns). A run in several traces (a resumed run, its parameters
     # in another file) has its traces reduced again together: its layers' tensors are one reading
     split: dict[str, list] = {}
-    for source, *_, meta in done:
-        split.setdefault(meta["run_name"], []).append(source)
-    rows = [r for _, r, _, meta in done if len(split[meta["run_name"]]) == 1]
+    for source, r, _, meta in done:
+        if r is not None:
+            split.setdefault(meta["run_name"], []).append(source)
+    rows = [r for _, r, _, meta in done if r is not None and len(split[meta["run_name"]]) == 1]
     with warnings.catch_warnings():  # what their first reading said stands
         warnings.simplefilter("ignore")
         for run, sources in split.items():
             if len(sources) > 1:
                 joined = pl.concat([_reduce_source(s, th)[0] for s in sources], how="diagonal_relaxed")
                 rows.append(RunRows.of(run, _metric_rows(joined, th).sort(ORDER)))
-    return RunTables(rows), pl.concat([s for _, _, s, _ in done], how="diagonal_relaxed"), [meta for *_, meta in done]
+    side = [s for _, _, s, _ in done if s is not None] or [pl.from_arrow(SCHEMA.empty_table().select(SIDE_COLUMNS))]
+    return RunTables(rows), pl.concat(side, how="diagonal_relaxed"), [meta for *_, meta in done]
 
 
 def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:

@@ -190,15 +190,20 @@ def cmd_diff(args) -> int:
         raise ValueError(f"--metrics {bad[0]!r} is not a metric diff compares; they are {', '.join(METRICS)}")
     base_files = {str(s) for s in trace_sources(base_paths)}
     a = analysis(args)
-    baselines = [m["run_name"] for m in a.runs if m["file"] in base_files]
+    empty = {m["run_name"] for m in a.runs if m.get("readings") == 0}  # nothing to compare: said, never a pass
+    baselines = [m["run_name"] for m in a.runs if m["file"] in base_files and m["run_name"] not in empty]
     runs = [m["run_name"] for m in a.runs if m["file"] not in base_files]
     if not runs:
         raise ValueError("every trace given is a baseline: put the runs to compare after --")
+    if not baselines:
+        raise ValueError(f"the baseline's trace ({', '.join(base_paths)}) holds no reading: nothing to compare with")
     progress(f"comparing {len(runs)} run(s) with {', '.join(baselines)}")
-    d = a.compared(baselines, runs, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
-    emit({"text": lambda: as_text(d, runs), "json": lambda: as_json(d), "csv": lambda: as_csv(d)}[args.format](),
-         args, f"{len(d.partings)} parting(s)")
-    return 1 if d.partings else 0
+    read = [r for r in runs if r not in empty]
+    d = a.compared(baselines, read, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
+    unread = "".join(f"{shown(r)}: holds no reading: nothing compared\n" for r in runs if r in empty)
+    emit({"text": lambda: unread + (as_text(d, read) if read else ""), "json": lambda: as_json(d),
+          "csv": lambda: as_csv(d)}[args.format](), args, f"{len(d.partings)} parting(s)")
+    return 1 if d.partings or unread else 0
 
 
 def cmd_sweep(args) -> int:

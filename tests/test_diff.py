@@ -15,8 +15,9 @@ from actrace.adapters.torch import Monitor
 K, STEPS, PROBE_EVERY = 100, 200, 10
 
 
-def train(path, *, seed=0, jump_at=None, export=None):
-    """A ReLU MLP on a fixed teacher task; `seed` draws its initialization and its batches."""
+def train(path, *, seed=0, jump_at=None, nan_at=None, export=None):
+    """A ReLU MLP on a fixed teacher task; `seed` draws its initialization and its batches; a NaN
+    planted in the second Linear's weight at step `nan_at` makes it and all after it NaN."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     g = torch.Generator().manual_seed(1234)
@@ -30,6 +31,9 @@ def train(path, *, seed=0, jump_at=None, export=None):
                 if step == jump_at:
                     for group in opt.param_groups:
                         group["lr"] *= 20
+                if step == nan_at:
+                    with torch.no_grad():
+                        model[2].weight[0, 0] = float("nan")
                 x = torch.randn(32, 16, generator=batches)
                 loss = nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
                 opt.zero_grad()
@@ -53,6 +57,7 @@ def runs(tmp_path_factory):
     for seed in (1, 2):
         train(d / f"seed{seed}.parquet", seed=seed)
     train(d / "lr20.parquet", jump_at=K)
+    train(d / "nan.parquet", nan_at=K)
     import numpy as np
 
     from actrace.adapters.onnx import record_onnx
@@ -77,6 +82,25 @@ def test_a_raised_learning_rate_parts_where_it_was_raised_and_exits_one(runs, cl
     assert {p["metric"] for p in answer["partings"]} >= {"grad_norm", "update_ratio"}
     text = cli("diff", runs / "base.parquet", runs / "lr20.parquet").stdout
     assert text.startswith(f"lr20 parts from base at step {first['step']} in {first['layer']}: ")
+
+
+def test_a_run_gone_nan_parts_where_its_first_nan_is_read(runs, cli):
+    """The same run as the baseline until a NaN is planted in layer 2's weight at step K: from then
+    the outputs of layer 2 and all after it, and every gradient, hold NaN, where the baseline's hold
+    none. Their metrics are unknown there, yet the run parts at step K, there and only there."""
+    res = cli("diff", runs / "base.parquet", runs / "nan.parquet", "--format", "json")
+    assert res.returncode == 1, res.stderr
+    answer = json.loads(res.stdout)
+    first = answer["first"]["nan"]
+    assert (first["metric"], first["step"], first["baseline_value"]) == ("non_finite", K, 0) and first["value"] > 0
+    nan = {(p["stream"], p["layer"]): p["step"] for p in answer["partings"] if p["metric"] == "non_finite"}
+    # at K: the outputs from layer 2 on and every gradient; layers 0 and 1 once the NaN step updated them
+    assert {layer for (stream, layer), step in nan.items() if stream == "activation" and step == K} == {"2", "3", "4"}
+    assert {nan[("activation", "0")], nan[("activation", "1")]} == {K + PROBE_EVERY}, nan
+    assert {layer for (stream, layer), step in nan.items() if stream == "param_grad" and step == K} == {"0", "2", "4"}
+    assert all(p["step"] >= K for p in answer["partings"])
+    text = cli("diff", runs / "base.parquet", runs / "nan.parquet").stdout
+    assert text.startswith(f"nan parts from base at step {K} in {first['layer']}: NaN/Inf values 0 → "), text
 
 
 def test_two_seeds_of_one_config_do_not_part(runs, cli):

@@ -88,13 +88,45 @@ def test_a_run_killed_mid_way_fails_the_gate_as_unfinished(tmp_path, cli):
     assert gate.returncode == 1 and "run_unfinished" in gate.stdout
 
 
+KILLED = """
+import os, signal, sys
+import numpy as np
+import actrace
+w = actrace.Writer(sys.argv[1], flush_seconds=3600)
+w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+os.kill(os.getpid(), signal.SIGKILL)  # before any flush: its .parts folder holds no part file
+"""
+
+
+def test_a_run_killed_before_its_first_flush_or_closed_empty_fails_the_gate_among_others(tmp_path, cli):
+    """Nothing about a run without a reading can pass a gate: a writer killed before it flushed (a
+    `.parts` folder with no part file, found in a folder of traces) and a trace closed empty each fail
+    it beside a healthy run; neither is the default baseline, and diff says what it could not compare."""
+    runs = tmp_path / "runs"
+    write_run(runs / "healthy.parquet", "healthy")
+    killed = subprocess.run([sys.executable, "-c", KILLED, runs / "killed.parquet"], timeout=HUNG)
+    assert killed.returncode == -signal.SIGKILL and not any((runs / "killed.parquet.parts").iterdir())
+    gate = cli("check", runs)
+    assert gate.returncode == 1 and "killed / -: critical finding run_unfinished" in gate.stdout, gate.stdout
+    assert "killed.parquet.parts holds no part file" in gate.stdout
+    actrace.Writer(runs / "empty.parquet").close()
+    gate = cli("check", runs / "empty.parquet", runs / "healthy.parquet")
+    assert gate.returncode == 1 and "empty / -: critical finding run_empty" in gate.stdout, gate.stdout
+    summary = cli("summary", runs / "empty.parquet", runs / "healthy.parquet")
+    assert summary.returncode == 0 and "against the baseline run healthy" in summary.stdout, summary.stderr
+    refused = cli("diff", runs / "empty.parquet", runs / "healthy.parquet")
+    assert refused.returncode == 2 and "holds no reading: nothing to compare with" in refused.stderr
+    said = cli("diff", runs / "healthy.parquet", runs / "empty.parquet", runs / "killed.parquet.parts")
+    assert said.returncode == 1 and said.stdout == ("empty: holds no reading: nothing compared\n"
+                                                    "killed: holds no reading: nothing compared\n"), said.stdout
+
 def test_a_monitor_that_never_read_a_gradient_says_so_and_the_gate_fails_it(tmp_path, cli):
     res, out = train(tmp_path, "no-step")
     assert res.returncode == 0 and "step() was never called" in res.stderr
     assert metadata.read(out)["status"] == "incomplete: no param_grad reading"
     gate = cli("check", out, "--min-grad-norm", "1e-8")
     assert gate.returncode == 1 and "stream_missing" in gate.stdout
-    assert "no param_grad reading to check --min-grad-norm against" in gate.stdout
+    assert "no param_grad reading with a gradient norm to check --min-grad-norm against" in gate.stdout
 
 
 def test_step_called_after_zero_grad_is_said_at_the_step_and_at_close(tmp_path):
@@ -135,6 +167,19 @@ def test_thresholds_add_to_the_default_gate_and_allow_accepts_a_rule(cli, runs):
     bad = cli("check", runs / "nan.parquet", "--allow", "nan-inf")
     assert bad.returncode == 2 and "--allow 'nan-inf' is not a rule" in bad.stderr
 
+
+def test_a_saturation_limit_with_no_bounded_layer_to_read_fails_as_any_limit_with_nothing_to_read(cli, runs, tmp_path):
+    """Saturation is a bounded kind's (tanh, sigmoid): a ReLU net has no saturated share for
+    --max-saturation to read, which fails the gate; a run with a tanh below the limit passes."""
+    import numpy as np
+
+    with actrace.Writer(tmp_path / "relu.parquet") as w:
+        w.record_activation(0, "fc.relu", np.abs(np.random.default_rng(0).normal(size=(64, 8))).astype(np.float32),
+                            kind="relu")
+    gate = cli("check", tmp_path / "relu.parquet", "--max-saturation", "0.3")
+    assert gate.returncode == 1 and "no activation reading with a saturated share of values to check " \
+        "--max-saturation against" in gate.stdout, gate.stdout
+    assert cli("check", runs / "healthy.parquet", "--max-saturation", "0.3").returncode == 0
 
 def test_the_gate_answers_in_json_and_junit_with_numbers_as_numbers(cli, runs, tmp_path):
     res = cli("check", runs / "healthy.parquet", runs / "stable.parquet", "--max-dead", "0.5", "--format", "json")

@@ -35,23 +35,27 @@ def lake_run(path) -> str | None:
 
 def traces_in(folder) -> list:
     """The traces in `folder` and in its Hive partitions (`key=value` folders) at any depth: each
-    compacted trace, and the `.parts` folder of each one that is not compacted (yet)."""
-    files = _files(folder)
+    compacted trace, and the `.parts` folder of each one that is not compacted (yet), one its writer
+    has not flushed into (yet: or never will, killed before it did) too."""
+    files, unwritten = _files(folder)
     traces = [f for f in files if f.endswith(".parquet") and all("=" in d for d in f.split("/")[:-1])]
-    parts = {f.rsplit("/", 1)[0] for f in files if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts")
-             and all("=" in d for d in f.split("/")[:-2])}
+    parts = {f.rsplit("/", 1)[0] for f in files + [f"{d}/" for d in unwritten]
+             if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts") and all("=" in d for d in f.split("/")[:-2])}
     return [folder / f for f in sorted(traces)] + [folder / p for p in sorted(parts)]
 
 
-def _files(folder) -> list[str]:
+def _files(folder) -> tuple[list[str], list[str]]:
     """Paths of the files under `folder`, relative to it, descending only into partition and
-    `.parts` folders (in an object store: one listing of the prefix)."""
+    `.parts` folders (in an object store: one listing of the prefix); and of the `.parts` folders
+    that hold no file (on a local disk: an object store has no empty folders)."""
     if remote(folder):
         base = folder.path.rstrip("/") + "/"
-        return [p[len(base):] for p in folder.fs.find(folder.path) if p.startswith(base)]
-    out = []
+        return [p[len(base):] for p in folder.fs.find(folder.path) if p.startswith(base)], []
+    out, empty = [], []
     for here, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if "=" in d or d.endswith(".parquet.parts")]
-        rel = os.path.relpath(here, folder)
-        out += [n if rel == "." else f"{rel}/{n}".replace(os.sep, "/") for n in names]
-    return out
+        rel = os.path.relpath(here, folder).replace(os.sep, "/")
+        out += [n if rel == "." else f"{rel}/{n}" for n in names]
+        if rel.endswith(".parquet.parts") and not names and not dirs:
+            empty.append(rel)
+    return out, empty

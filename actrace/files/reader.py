@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actrace.files.lake import traces_in
+from actrace.files.lake import lake_run, traces_in
 from actrace.files.location import glob, has_magic, location, remote
 from actrace.format import metadata
 from actrace.format.metadata import TraceError
@@ -45,6 +45,16 @@ def trace_sources(paths) -> list:
     # a compacted trace wins over the parts left by the same writer mid-compaction
     names = {s for s in sources if not s.name.endswith(".parts")}
     return [s for s in sources if not (s.name.endswith(".parts") and s.with_name(s.name[:-6]) in names)]
+
+
+def unwritten(source) -> str | None:
+    """The run a `.parts` directory with no part file in it is of (its writer's default name: it names
+    no other anywhere yet); None for any other source. Its writer has not flushed yet, or never will:
+    it was killed before its first flush."""
+    if not (source.name.endswith(".parquet.parts") and source.is_dir()) or any(source.glob("part-*.parquet")):
+        return None
+    trace = source.with_name(source.name.removesuffix(".parts"))
+    return lake_run(trace) or trace.name.removesuffix(".parquet")
 
 
 def part_files(source: Path) -> list[Path]:
