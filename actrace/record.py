@@ -65,6 +65,7 @@ class Recorder:
         self.layer_index: dict[str, int] = {}
         self.last_step = self.last_probe = None
         self.closed = False
+        self.failed: dict[str, list] = {}  # kind of reading -> [first step it failed at, why, failures]
         self.writer = Writer(**options, framework=framework, framework_version=framework_version, adapter=adapter,
                              probe_fingerprint=probe_fingerprint, probe_size=probe_size, mode=mode,
                              flush_every=flush_every, expect=expect, aliases=aliases) if writes else None
@@ -86,6 +87,25 @@ class Recorder:
 
     def probe_reading(self, step: int) -> int:
         raise NotImplementedError
+
+    alone = True  # the model runs in this process alone: not one rank of several (torch's Monitor says)
+
+    def safely(self, what: str, read, step: int, *args) -> None:
+        """`read(step, *args)`: a reading of its `what` kind, due at `step`. Where it raises in a process
+        that runs the model alone, it is skipped and training goes on (a monitor never takes training
+        down): the first failure of each kind said with its error, their count at close. On one rank
+        of several it raises as before: the others would wait for this one in a collective."""
+        if not self.alone:
+            read(step, *args)
+            return
+        try:
+            read(step, *args)
+        except Exception as error:
+            if what not in self.failed:
+                warnings.warn(f"actrace: step {step}: the {what} reading failed ({type(error).__name__}: {error}); "
+                              f"it is skipped and training goes on (each later {what} reading that fails is "
+                              "skipped too, counted at close)", stacklevel=3)
+            self.failed.setdefault(what, [step, f"{type(error).__name__}: {error}", 0])[2] += 1
 
     def write(self, step: int, readings, **kw) -> int:
         """Record readings taken at `step` (`mode`, `probe_fingerprint` as the writer takes them)."""
@@ -124,11 +144,14 @@ class Recorder:
             return None
         if failed is None and self.last_step is not None and (self.last_probe is None or
                                                               self.last_probe < self.last_step):
-            self.probe_reading(self.last_step)
+            self.safely("probe", self.probe_reading, self.last_step)
         self.closed = True
         self.release()
         if self.writer is None:
             return None
+        for what, (step, why, n) in self.failed.items():
+            warnings.warn(f"actrace: {self.writer.path}: {n} {what} reading(s) failed and were skipped, the first at "
+                          f"step {step} ({why})", stacklevel=3)
         if failed is None and self.writer.expect and "param_grad" not in self.writer.streams:
             why = "step() was never called" if self.last_step is None else self.no_gradient_hint
             warnings.warn(f"actrace: {self.writer.path}: no gradient was read ({why}); the trace's status says "

@@ -110,9 +110,9 @@ class FitRecorder(Recorder):
         self.model = model
         step = 0 if self.last_step is None else self.last_step + 1
         if self.grads_due(step):
-            self.gradient_reading(step)
+            self.safely("gradient", self.gradient_reading, step)
         if self.probe_due(step):
-            self.probe_reading(step)
+            self.safely("probe", self.probe_reading, step)
         self.last_step = step
         lr = getattr(self.model.optimizer, "learning_rate", None)
         self.log(step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import actrace
-from actrace.format import bins
+from actrace.format import bins, metadata
 from actrace.reduce import kernel
 from actrace.reduce import torch as _torch_reduce
 from actrace.adapters.torch import Monitor
@@ -665,3 +665,49 @@ def test_the_trace_s_map_of_tensors_holds_none_alive_and_tells_a_new_tensor_at_a
         assert t not in seen and seen.get(t, "none") == "none"
         with pytest.raises(KeyError):
             seen[t]
+
+
+class BreaksInEvaluation(nn.Module):
+    """A layer whose evaluation path raises from its `fails`-th call in eval mode on (a shape check
+    the probe trips, say); training never takes that path."""
+
+    def __init__(self, fails: int):
+        super().__init__()
+        self.fc, self.calls, self.fails = nn.Linear(8, 8), 0, fails
+
+    def forward(self, x):
+        if not self.training:
+            self.calls += 1
+            if self.calls >= self.fails:
+                raise RuntimeError("planted: the evaluation path broke")
+        return torch.relu(self.fc(x))
+
+
+def test_a_probe_reading_that_raises_is_skipped_and_said_and_training_goes_on(tmp_path):
+    """The model's own evaluation path raises at the second probe reading (the construction's trial
+    ran it twice): that reading and each later one is skipped, the first failure said with its
+    error and their count at close; the model is back in training mode after each, gradients are
+    read every step, and the trace closes complete with the readings that could be taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(BreaksInEvaluation(fails=4), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(model, torch.randn(8, 8), tmp_path / "t.parquet", probe_every=3) as mon:
+            for step in range(10):
+                loss = model(torch.randn(4, 8)).pow(2).mean()  # raises if the monitor left eval mode on
+                opt.zero_grad()
+                loss.backward()
+                mon.step(step)
+                opt.step()
+                assert model.training
+    said = [str(w.message) for w in said if "actrace" in str(w.message)]
+    assert [m for m in said if "reading failed" in m] == [
+        "actrace: step 3: the probe reading failed (RuntimeError: planted: the evaluation path broke); it is skipped "
+        "and training goes on (each later probe reading that fails is skipped too, counted at close)"]
+    assert f"actrace: {tmp_path / 't.parquet'}: 3 probe reading(s) failed and were skipped, the first at step 3 " \
+        "(RuntimeError: planted: the evaluation path broke)" in said  # at steps 3, 6, 9
+    t = pl.from_arrow(actrace.read_table(tmp_path / "t.parquet"))
+    steps = {stream: sorted(set(g["step"])) for (stream,), g in t.group_by(["stream"])}
+    assert steps["activation"] == [0] and steps["param_grad"] == list(range(10))
+    assert metadata.read(tmp_path / "t.parquet")["status"] == "complete"

@@ -159,7 +159,7 @@ class Monitor(Recorder):
         if params is not None:
             self.params = params
         if self.probe_due(step):
-            self.probe_reading(step)
+            self.safely("probe", self.probe_reading, step)
         if grads is not None and self.grads_due(step):
-            self.gradient_reading(step, grads)
+            self.safely("gradient", self.gradient_reading, step, grads)
         self.last_step = step

@@ -86,6 +86,7 @@ class Monitor(Recorder):
                          exclude=exclude, overwrite=overwrite, flush_every=flush_every,
                          expect=("param_grad",) if trainable else (), aliases=self.grads.aliases, writes=self.rank == 0)
         self.mode, self._steps_seen, self._previous, self._warned_stale, self._alarmed = mode, 0, {}, False, False
+        self.alone = self.forward.alone
         layers, self.placed = list(self.layers), False  # placed: layers on some ranks only (expert parallel)
         if self.world > 1 and self.pipeline is None and split is None:
             layers, self.placed = ranks.names_everywhere(layers, self.forward.probe.device)
@@ -160,11 +161,11 @@ class Monitor(Recorder):
         `scaler.update()` under a loss scaler): gradient, parameter and probe readings when due (a
         probe reading at the first step whatever `probe_every` says, and at the last on close)."""
         if self.probe_due(step):
-            self.probe_reading(step)
+            self.safely("probe", self.probe_reading, step)
         if self.grads_due(step):
-            self.gradient_reading(step)
+            self.safely("gradient", self.gradient_reading, step)
         if step % self.param_every == 0:
-            self.parameter_reading(step)
+            self.safely("parameter", self.parameter_reading, step)
         self._steps_seen += 1
         self.last_step = step
 
