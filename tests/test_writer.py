@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -267,3 +268,30 @@ def test_layer_totals_are_written_as_their_readings_would_be(tmp_path):
     assert (rows[4]["nan_count"], rows[4]["inf_count"], rows[4]["count"]) == (1, 1, 7)
     assert rows[3]["sumsq"] == pytest.approx(batches[1][1].totals[0][1] / 1024 ** 2)
     assert (rows[2]["shape"], rows[2]["unit_axis"], rows[2]["units"]) == ([], None, 1)
+
+
+def test_what_a_reader_would_refuse_is_refused_when_recorded_and_the_rest_kept(tmp_path):
+    """Spec §Validity's rules a single reading can break, said at the call that breaks them, naming the
+    layer or the step, never left for the reader to refuse the whole trace over (or, for a step past
+    int64, for the close to lose it): an empty layer name, a clip without bounds or with lo ≥ hi, a
+    step that is no whole number or does not fit int64, a config that is no JSON object. The
+    readings before them are written, and the trace validates."""
+    from actrace.files.validate import validate
+
+    h = np.ones((4, 3), np.float32)
+    with pytest.raises(TypeError, match="config must be a dict"):
+        actrace.Writer(tmp_path / "c.parquet", config=[1, 2])
+    assert not list(tmp_path.iterdir())  # refused before any lock or folder
+    path = tmp_path / "t.parquet"
+    with actrace.Writer(path) as w:
+        w.record_activation(0, "fc", h, kind="relu")
+        for call, said in [(lambda: w.record_activation(1, "", h, kind="relu"), "with an empty layer name"),
+                           (lambda: w.record_activation(1, "c", h, kind="clip"), "layer 'c': a clip layer's bounds"),
+                           (lambda: w.record_activation(1, "c", h, kind="clip", bounds=(1, 1)), "not (1, 1)"),
+                           (lambda: w.record_activation(2 ** 63, "fc", h, kind="relu"), "step 9223372036854775808"),
+                           (lambda: w.record_activation(1.5, "fc", h, kind="relu"), "step 1.5: a step is a whole")]:
+            with pytest.raises(ValueError, match=re.escape(said)):
+                call()
+        w.record_activation(1, "fc", h, kind="relu")
+        w.record_activation(2, "c", h, kind="clip", bounds=(0, 6))
+    assert validate(path) == [] and actrace.read_table(path)["step"].to_pylist() == [0, 1, 2]

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from actrace.format import metadata
 from actrace.reduce import Reading, ReductionError, reduce_array
 from actrace.reduce.reading import LayerTotals
-from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, safe_name
+from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, bounds_for, safe_name
 from actrace.files.lake import lake_run
 from actrace.files.location import location, remote, remove
 from actrace.files.table import LayerRows, row, rows_to_table
@@ -217,6 +217,8 @@ class Writer:
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
                  flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None):
+        if config is not None and not isinstance(config, dict):  # the spec's config is a JSON object
+            raise TypeError(f"config must be a dict (the run's settings by name), not a {type(config).__name__}")
         self.path = location(path)
         self.parts = parts_dir(self.path)
         for p in (self.path, self.parts):
@@ -348,7 +350,10 @@ class Writer:
             raise RuntimeError(f"{self.path}: writer is closed")
         if _signalled:  # SIGTERM's exception was swallowed on its way (C code that clears errors): again
             raise Terminated()
-        return int(step), mode or self.mode, time.time()
+        whole = int(step)
+        if whole != step or not -2 ** 63 <= whole < 2 ** 63:  # else truncated, or lost with the trace at close
+            raise ValueError(f"{self.path}: step {step!r}: a step is a whole number that fits in 64 bits")
+        return whole, mode or self.mode, time.time()
 
     @staticmethod
     def _fingerprint(stream: str, fingerprint: str | None) -> str | None:
@@ -372,6 +377,8 @@ class Writer:
         return safe
 
     def _named(self, reading: Reading) -> Reading:
+        if not reading.layer:
+            raise ValueError(f"{self.path}: a reading ({reading.stream}) with an empty layer name (spec §Validity)")
         layer, param = self._safe(reading.layer), None if reading.param is None else self._safe(reading.param)
         return reading if (layer, param) == (reading.layer, reading.param) else \
             dataclasses.replace(reading, layer=layer, param=param)
@@ -400,6 +407,10 @@ class Writer:
                       bounds: tuple[float, float] | None = None, per_unit: bool = True,
                       histogram: bool = True, **context) -> Reading:
         """Reduce a numpy-convertible tensor with the reference reductions and record it."""
+        known = bounds_for(kind, bounds)
+        if (known is None and kind == "clip") or (known is not None and not known[0] < known[1]):
+            raise ValueError(f"{self.path}: layer {layer!r}: a {kind} layer's bounds must be given, lower below upper "
+                             f"(bounds=(lo, hi)), not {known}")
         reading = reduce_array(x, unit_axis, kind, layer=layer, stream=stream, bounds=bounds,
                                param=param, per_unit=per_unit, histogram=histogram)
         self.record(step, reading, **context)
