@@ -99,8 +99,8 @@ class Analysis:
         for meta in self.runs:
             if meta.get("run_name") in runs:
                 table, _ = read_source(location(meta["file"]), ["run", "layer", "stream", "step", "hist"])
-                frames.append(pl.from_arrow(table).filter((pl.col("stream") == "activation")
-                                                          & pl.col("hist").is_not_null())
+                rows = pl.from_arrow(table).with_columns(run=pl.lit(meta["run_name"]))  # runs of one name: apart
+                frames.append(rows.filter((pl.col("stream") == "activation") & pl.col("hist").is_not_null())
                               .join(chosen, on=["run", "layer"], how="semi", maintain_order="left").drop("stream"))
         return pl.concat(frames) if frames else pl.DataFrame()
 

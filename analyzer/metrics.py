@@ -6,6 +6,7 @@ per-unit lists are reduced to counts as each trace is read, so many runs fit in 
 """
 from __future__ import annotations
 
+import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -368,20 +369,41 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
     if not done:
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
     # each trace holds one run (spec §Columns). A run in several traces (a resumed run, its parameters
-    # in another file) has its traces reduced again together: its layers' tensors are one reading
+    # in another file) has its traces reduced again together: its layers' tensors are one reading. Traces
+    # of one name holding the same readings are not that: runs that share a name (old/x, new/x), read apart
     split: dict[str, list] = {}
     for source, r, _, meta in done:
         if r is not None:
             split.setdefault(meta["run_name"], []).append(source)
     rows = [r for _, r, _, meta in done if r is not None and len(split[meta["run_name"]]) == 1]
-    with warnings.catch_warnings():  # what their first reading said stands
-        warnings.simplefilter("ignore")
-        for run, sources in split.items():
-            if len(sources) > 1:
-                joined = pl.concat([_reduce_source(s, th)[0] for s in sources], how="diagonal_relaxed")
-                rows.append(RunRows.of(run, _metric_rows(joined, th).sort(ORDER)))
-    side = [s for _, _, s, _ in done if s is not None] or [pl.from_arrow(SCHEMA.empty_table().select(SIDE_COLUMNS))]
-    return RunTables(rows), pl.concat(side, how="diagonal_relaxed"), [meta for *_, meta in done]
+    side = {source: s for source, _, s, _ in done if s is not None}
+    metas = {source: meta for source, *_, meta in done}
+    for run, sources in ((run, sources) for run, sources in split.items() if len(sources) > 1):
+        with warnings.catch_warnings():  # what their first reading said stands
+            warnings.simplefilter("ignore")
+            frames = [_reduce_source(s, th)[0] for s in sources]
+        joined = pl.concat(frames, how="diagonal_relaxed")
+        if not joined.select(READING_KEY).is_duplicated().any():
+            rows.append(RunRows.of(run, _metric_rows(joined, th).sort(ORDER)))
+            continue
+        labels = _labels(sources)
+        warnings.warn(f"{', '.join(map(str, sources))} each name their run {run!r} and hold readings of the same "
+                      f"layers and steps: read as {len(sources)} runs, {', '.join(map(repr, labels))} (a run's "
+                      "name is the writer's run=, else its file's)", stacklevel=2)
+        for source, frame, label in zip(sources, frames, labels):
+            rows.append(RunRows.of(label, _metric_rows(frame.with_columns(run=pl.lit(label)), th).sort(ORDER)))
+            side[source] = side[source].with_columns(run=pl.lit(label))
+            metas[source]["run_name"] = label
+    side = list(side.values()) or [pl.from_arrow(SCHEMA.empty_table().select(SIDE_COLUMNS))]
+    return RunTables(rows), pl.concat(side, how="diagonal_relaxed"), list(metas.values())
+
+
+def _labels(sources: list) -> list[str]:
+    """Names that tell apart runs of one name by their traces' paths: each path below the folder they
+    share, without its suffix (old/baseline, new/baseline)."""
+    paths = [str(s) for s in sources]
+    common = os.path.commonpath(paths) if all(os.path.isabs(p) == os.path.isabs(paths[0]) for p in paths) else ""
+    return [p[len(common):].lstrip("/").removesuffix(".parts").removesuffix(".parquet") or p for p in paths]
 
 
 def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:

@@ -266,3 +266,26 @@ def test_a_non_finite_gradient_has_no_norm_and_is_not_read_as_vanishing(tmp_path
     early = next(line for line in cli("summary", tmp_path / "g.parquet").stdout.splitlines()
                  if line.strip().startswith("early"))
     assert early.split()[-1] == "nan"
+
+
+def test_runs_that_share_a_name_are_read_apart_by_their_paths(tmp_path, cli):
+    """old/baseline.parquet and new/baseline.parquet both name their run 'baseline' (their files'
+    name) and hold the same layers and steps: two runs, not one with every reading twice (a run
+    split over traces holds each reading once: it stays one, as above). The second's units die
+    from step 300, and diff says so between them."""
+    from actrace.analyzer import analyze
+
+    old, new = tmp_path / "old" / "baseline.parquet", tmp_path / "new" / "baseline.parquet"
+    write_run(old, "baseline")
+    write_run(new, "baseline", dead=lambda s: 24 if s >= 300 else 0)
+    with pytest.warns(UserWarning, match="each name their run 'baseline' and hold readings of the same layers"):
+        a = analyze([old, new])
+    assert [m["run_name"] for m in a.runs] == ["old/baseline", "new/baseline"]
+    one = metrics(old)
+    for run in ("old/baseline", "new/baseline"):
+        rows = a.metrics.filter(pl.col("run") == run)
+        assert rows.height == one.height and rows.select("layer", "stream", "step").n_unique() == one.height
+    assert a.histograms([("new/baseline", "block2.relu")])["step"].to_list() == list(range(0, 600, 100))
+    res = cli("diff", old, new)
+    assert res.returncode == 1 and res.stdout.startswith("new/baseline parts from old/baseline at step 300 in "
+                                                         "block2.relu: dead fraction"), res.stdout
