@@ -66,6 +66,7 @@ class Recorder:
         self.last_step = self.last_probe = None
         self.closed = False
         self.failed: dict[str, list] = {}  # kind of reading -> [first step it failed at, why, failures]
+        self.worked: set[str] = set()  # kinds of reading that have worked once (`safely`)
         self.writer = Writer(**options, framework=framework, framework_version=framework_version, adapter=adapter,
                              probe_fingerprint=probe_fingerprint, probe_size=probe_size, mode=mode,
                              flush_every=flush_every, expect=expect, aliases=aliases) if writes else None
@@ -91,12 +92,14 @@ class Recorder:
     alone = True  # the model runs in this process alone: not one rank of several (torch's Monitor says)
 
     def safely(self, what: str, read, step: int, *args) -> None:
-        """`read(step, *args)`: a reading of its `what` kind, due at `step`. Where it raises in a process
-        that runs the model alone, it is skipped and training goes on (a monitor never takes training
-        down): the first failure of each kind said with its error, their count at close. On one rank
-        of several it raises as before: the others would wait for this one in a collective."""
-        if not self.alone:
+        """`read(step, *args)`: a reading of its `what` kind, due at `step`. Where it raises after one of
+        its kind has worked, in a process that runs the model alone, it is skipped and training goes on
+        (a monitor never takes training down): the first failure of each kind said with its error,
+        their count at close. The first of its kind raises (a set-up to fix, said at once), and on one
+        rank of several any does: the others would wait for this one in a collective."""
+        if not self.alone or what not in self.worked:
             read(step, *args)
+            self.worked.add(what)
             return
         try:
             read(step, *args)

@@ -687,7 +687,8 @@ def test_a_probe_reading_that_raises_is_skipped_and_said_and_training_goes_on(tm
     """The model's own evaluation path raises at the second probe reading (the construction's trial
     ran it twice): that reading and each later one is skipped, the first failure said with its
     error and their count at close; the model is back in training mode after each, gradients are
-    read every step, and the trace closes complete with the readings that could be taken."""
+    read every step, and the trace closes complete with the readings that could be taken. (The
+    first reading of a kind raises: tests/test_flax.py's model that needs train=False.)"""
     torch.manual_seed(0)
     model = nn.Sequential(BreaksInEvaluation(fails=4), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
