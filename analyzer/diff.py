@@ -187,10 +187,11 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
                 continue
             gap = gaps[lo:hi]
             h = np.maximum.reduce([floors[lo:hi], np.full(hi - lo, sigmas * noises[lo]), spread[lo:hi]])
-            found = _parting(gap, h, persist)
+            apart = abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]  # medians
+            found = _parting(gap, h, persist, apart)
             if found is not None:
                 partings.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, *found))
-            if abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]:  # medians
+            if apart:
                 from_start.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, 0, 0.0))
     return Diff.of(partings, unaligned, from_start, widths)
 
@@ -213,11 +214,13 @@ def _non_finite(aligned: pl.DataFrame, baselines: list[str], runs: list[str]) ->
     return out
 
 
-def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
+def _parting(gap: np.ndarray, h: np.ndarray, persist: int, apart: bool = False) -> tuple[int, float] | None:
     """(index, the gap before) of the first reading from which the gap is more than `h` away from
     its median over every reading before, for `persist` readings in a row (to the end, two at
     least); None where it never moves so. Candidates are the readings at least half a band from the
-    mean before (one pass over all), and the median decides (the prefixes' medians made once)."""
+    mean before (one pass over all), and the median decides (the prefixes' medians made once). Runs
+    `apart` from the first readings part only by moving further apart: a gap that narrows (the
+    baseline drifting towards where the run was all along) is no parting of the run."""
     n = len(gap)
     mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
     candidates = (np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1).tolist()
@@ -226,7 +229,8 @@ def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] 
     gaps, bands, before = gap.tolist(), h.tolist(), _medians_before(gap[: candidates[-1]])
     for i in candidates:
         ahead = range(i, min(i + persist, n))
-        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] for j in ahead):
+        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] and not (
+                apart and (gaps[j] - before[i]) * before[i] < 0) for j in ahead):
             return i, before[i]
     return None
 

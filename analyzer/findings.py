@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from actrace.format.recurrent import describe
-from actrace.format.schema import KIND_BOUNDS, STREAMS, sat_margin
+from actrace.format.schema import ACTIVATION_KINDS, KIND_BOUNDS, STREAMS, sat_margin
 
 from .metrics import Thresholds
 from .trends import held_since, onset, recent, series_bounds, stable_since, theil_sen
@@ -28,6 +28,10 @@ SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 STREAM_ORDER = {stream: i for i, stream in enumerate(STREAMS)}  # the spec lists them in that order
 # attention's query and key projections: their gradients are tiny while attention is near uniform
 # (at initialization above all), which is normal, not vanishing
+# whose units dormancy is read in (ReDo's neurons: an activation function's outputs), not a linear or
+# norm output (units at −100 before a ReLU, dead after it, would make the healthy rest read dormant
+# there), nor a softmax (rarely chosen classes are no dormant neurons)
+DORMANT_KINDS = ACTIVATION_KINDS - {"softmax"}
 QUERY_KEY = ("*.query", "*.key", "*q_proj", "*k_proj", "*.q", "*.k", "*.wq", "*.wk", "*q_lin", "*k_lin")
 
 
@@ -301,7 +305,7 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 threshold=r.max_saturation_units, first=start, last=steps[-1], index=index))
         dormant = g["dormant_fraction"]
         since = held_since(dormant > r.max_dormant, 1.0)
-        if since is not None:
+        if since is not None and g["kind"][0] in DORMANT_KINDS:
             out.append(_finding("warning", "dormant_units", run, layer, steps[since],
                                 f"{dormant[-1]:.0%} of units alive but dormant (RMS at most {th.dormant_tau:g}× the "
                                 f"layer's mean unit RMS) at step {steps[-1]}, above {r.max_dormant:.0%} since step "

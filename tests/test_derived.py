@@ -429,7 +429,29 @@ def test_units_made_to_barely_fire_are_dormant_not_dead_and_a_healthy_layer_has_
     assert relu["3"][0] == pytest.approx(24 / 64) and relu["3"][1] < 24 / 64
     assert relu["1"][0] == 0
     found = [f for f in a.findings if f.rule == "dormant_units"]
-    assert {f.layer for f in found} == {"2", "3"} and all(f.step == 0 for f in found)
+    assert {f.layer for f in found} == {"3"} and all(f.step == 0 for f in found)  # the ReLU's, not its Linear's
+
+
+def test_units_killed_by_their_bias_are_dead_after_the_relu_and_leave_no_dormant_unit_before_it(tmp_path):
+    """24 of 64 units of a Linear held at −100 by their bias: the ReLU after it reads them dead; the
+    Linear's own output holds them at RMS 100 against ~1 for the rest, more outliers than the tenth
+    the reference leaves out, so its 40 healthy units read 'dormant' there, yet no finding says so:
+    dormancy is an activation's (ReDo's neurons), and the dead units are said where they are."""
+    from actrace.analyzer import analyze
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[0].bias[:24], model[0].bias[24:] = -100.0, 1.0  # the rest fire for every input: alive
+    out = tmp_path / "k.parquet"
+    with Monitor(model, torch.randn(256, 16), out, grad_every=None) as mon:
+        for step in range(3):
+            mon.probe_reading(step)
+    a = analyze([out])
+    m = {r["layer"]: r for r in a.metrics.filter(pl.col("step") == 2).iter_rows(named=True)}
+    assert m["1"]["dead_fraction"] == 24 / 64 and m["0"]["dormant_fraction"] == 40 / 64  # what the metric reads
+    assert [f.layer for f in a.findings if f.rule == "dormant_units"] == []
+    assert {(f.rule, f.layer) for f in a.findings if f.rule.startswith("dead")} == {("dead_high", "1")}
 
 
 def _tricky_scores(case: str) -> torch.Tensor:

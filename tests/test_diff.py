@@ -130,3 +130,28 @@ def test_a_pytorch_run_and_its_onnx_export_do_not_part_and_unread_layers_are_nam
 def test_diff_needs_a_run_to_compare(runs, cli):
     res = cli("diff", runs / "base.parquet")
     assert res.returncode == 2 and "give a baseline and at least one run" in res.stderr
+
+
+def test_a_run_apart_from_the_start_parts_only_by_moving_further_apart(tmp_path, cli):
+    """The baseline's layer grows its spread ×5 over its readings; one run holds it at 50 from the
+    first reading, another holds it there and then jumps ×100 at step 100. Both are apart from the
+    start; the first never moves, so the gap that narrows as the baseline drifts towards it is no
+    parting of it; the second parts where it jumped."""
+    import numpy as np
+
+    import actrace
+
+    def write(name, std):
+        rng = np.random.default_rng(0)
+        with actrace.Writer(tmp_path / f"{name}.parquet") as w:
+            for i, step in enumerate(range(0, 200, 10)):
+                w.record_activation(step, "fc", (rng.normal(size=(256, 16)) * std(i)).astype(np.float32),
+                                    kind="linear")
+    write("base", lambda i: 0.1 * 5 ** (i / 19))
+    write("still", lambda i: 50.0)
+    write("jumps", lambda i: 50.0 if i < 10 else 5000.0)
+    still = cli("diff", tmp_path / "base.parquet", tmp_path / "still.parquet")
+    assert still.returncode == 0 and still.stdout.startswith("still: no parting from the baseline"), still.stdout
+    assert "from the first readings apart" in still.stdout and "std in fc" in still.stdout
+    jumps = cli("diff", tmp_path / "base.parquet", tmp_path / "jumps.parquet")
+    assert jumps.returncode == 1 and jumps.stdout.startswith("jumps parts from base at step 100 in fc: std "), jumps.stdout
