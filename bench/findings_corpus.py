@@ -116,8 +116,10 @@ PATHOLOGICAL = [
     Case("dead-then-diverge", "mlp", "adam", 1e-3, inject=("ramp", 60, dict(rate=1.05)),
          rules=("dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
     # spec 1.3: units made to barely fire (not dead), attention and output logits grown step by step
+    # (shrunk ×0.8 every step, relu2's units barely fire from ~step 140 and die by the end: dormant said on
+    # the way by a live monitor, dead at the end; fc2's outputs are no activation's, read dormant by no rule)
     Case("dormant-relu2", "mlp", inject=("grow", K, dict(modules=["fc2"], rate=0.8, units=40)),
-         rules=("dormant_units",), layers=("relu2", "fc2"), at=K, window=True),
+         rules=("dormant_units", "dead_growing"), layers=("relu2",), at=K, window=True),
     Case("qk-growth-llama", "llama", "adamw", 2e-3, inject=("grow", K, dict(modules=[
         f"model.layers.1.self_attn.{p}_proj" for p in "qk"], rate=1.03)),
          rules=("attention_logit_growth", "attention_entropy_collapse"), layers=("model.layers.1.self_attn.*",),
