@@ -349,16 +349,23 @@ def _rising(steps: np.ndarray, v: np.ndarray) -> bool:
     return len(v) >= 3 and theil_sen(steps[start:], v[start:]) > 0
 
 
-def _signal_findings(series: pl.DataFrame, units: pl.DataFrame, r: Rules) -> list[Finding]:
+def _signal_findings(series: pl.DataFrame, units: pl.DataFrame, r: Rules,
+                     scalars: pl.DataFrame | None = None) -> list[Finding]:
     """The rules of derived readings (spec §Findings): attention entropy collapse and logit growth
-    per layer, a drifting log Z of the LM head, an expert no token reaches."""
+    per layer, a drifting log Z of the LM head, an expert no token reaches. A collapse or a drift
+    while the loss falls to under half is a model finding its solution (one-hot heads, confident
+    logits), not one diverging: not said (`_solving`)."""
     out = []
+
+    def solving(run, since, last) -> bool:
+        return scalars is not None and _solving(
+            scalars.filter((pl.col("run") == run) & (pl.col("name") == "loss")), since, last)
     for run, layer, index, steps, g in _streams(units, "attention_entropy", pl.col("mean").mean().alias("v"),
                                                 pl.col("unit").filter(pl.col("mean") < r.entropy_collapse).alias("low"),
                                                 pl.len().alias("heads")):
         v = g["v"].to_numpy()
         since = held_since(v < r.entropy_collapse, 1.0)
-        if since is not None:
+        if since is not None and not solving(run, steps[since], steps[-1]):
             low = g["low"][-1].sort().to_list()
             out.append(_finding("warning", "attention_entropy_collapse", run, layer, steps[since],
                                 f"mean head entropy {v[-1]:.3f} of its maximum at step {steps[-1]} (from {v[0]:.2f} at "
@@ -381,7 +388,7 @@ def _signal_findings(series: pl.DataFrame, units: pl.DataFrame, r: Rules) -> lis
     for run, layer, index, steps, g in _streams(series, "log_z", pl.col("mean").first().alias("v")):
         v = g["v"].to_numpy()
         since = held_since(v - v[0] >= r.log_z_rise, 1.0)
-        if since is not None and _rising(steps, v):
+        if since is not None and _rising(steps, v) and not solving(run, steps[since], steps[-1]):
             out.append(_finding("warning", "logit_divergence", run, layer, steps[since],
                                 f"mean log Z {v[-1]:.3g} at step {steps[-1]}, {v[-1] - v[0]:.3g} nats above its "
                                 f"{v[0]:.3g} at step {steps[0]} and still rising; {r.log_z_rise:g} above since step "
@@ -450,6 +457,15 @@ def _vanishing(run, steps, depth, norm, rms, r: Rules) -> Finding | None:
 
 def _layers(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"the {len(names)} layers {names[0]} … {names[-1]} (median)"
+
+
+def _solving(loss: pl.DataFrame, since: int, last: int) -> bool:
+    """Whether the logged loss over steps [since, last] has a median under half its median over as
+    long a span before `since` (all of it finite): the loss still falling steeply."""
+    steps, values = loss["step"].to_numpy(), loss["value"].to_numpy()
+    span = max(last - since, 1)
+    before, now = values[(steps >= since - span) & (steps < since)], values[(steps >= since) & (steps <= last)]
+    return bool(len(before) and len(now) and np.isfinite(now).all() and np.median(now) < np.median(before) / 2)
 
 
 def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool, str] | None:
@@ -627,7 +643,7 @@ def findings(m, rules: Rules = Rules(), runs: list[dict] = (), th: Thresholds = 
     their derived readings (`signals`: `analyzer.signals` series and units), most urgent first."""
     found = [f for frame in ([m] if isinstance(m, pl.DataFrame) else m) for f in _metric_findings(frame, rules, th,
                                                                                                  scalars)]
-    found += status_findings(list(runs)) + (_signal_findings(*signals, rules) if signals is not None else [])
+    found += status_findings(list(runs)) + (_signal_findings(*signals, rules, scalars) if signals is not None else [])
     # a NaN first: nothing else in a NaN run can be trusted
     return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
 

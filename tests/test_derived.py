@@ -13,6 +13,7 @@ import torch
 import transformers
 from torch import nn
 
+import actrace
 from actrace.adapters.torch import Monitor
 from actrace.adapters.torch import derived
 from actrace.files.reader import read_table
@@ -623,3 +624,27 @@ def test_an_implementations_call_gives_the_scores_its_mask_and_options_say(case)
     for kind in ATTENTION_KINDS:
         np.testing.assert_allclose(fast[kind].numpy(), expect[kind], rtol=1e-5, atol=1e-6, err_msg=kind)
 
+
+
+@pytest.mark.parametrize("loss, said", [(lambda step: 2.0 * 0.97 ** step, False), (lambda step: 2.0, True),
+                                        (lambda step: 0.5 + 0.01 * step, True)],
+                         ids=["loss-falling-steeply", "loss-flat", "loss-rising"])
+def test_heads_gone_one_hot_and_a_rising_log_z_are_said_unless_the_loss_falls_steeply(tmp_path, loss, said):
+    """Four heads' entropy (over its maximum) falls from 0.8 to 0.02 by step 150 and the LM head's
+    log Z rises 8 nats, readings every 10 steps to 300. While the logged loss falls to a fraction
+    (a model finding its solution: an induction head is one-hot, a confident model's log Z rises)
+    neither is said; with a flat or rising loss both are (entropy collapse, logit divergence)."""
+    from actrace.analyzer import analyze
+
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "t.parquet") as w:
+        for step in range(0, 301, 10):
+            entropy = max(0.02, 0.8 - 0.78 * step / 150)
+            w.record_activation(step, "attn", np.clip(entropy + rng.normal(0, 0.005, (64, 4)), 0, 1).astype(
+                np.float32), kind="attention_entropy")
+            w.record_activation(step, "lm_head", (2.0 + 8 * step / 300 + rng.normal(0, 0.01, 64)).astype(
+                np.float32), kind="log_z", unit_axis=None)
+            w.log(step, loss=loss(step))
+    rules = {f.rule for f in analyze(tmp_path / "t.parquet").findings}
+    assert ({"attention_entropy_collapse", "logit_divergence"} <= rules) == said, rules
+    assert said or not rules & {"attention_entropy_collapse", "logit_divergence"}
