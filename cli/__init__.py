@@ -178,6 +178,8 @@ def cmd_check(args) -> int:
 def cmd_diff(args) -> int:
     from actrace.analyzer.diff import METRICS, as_csv, as_json, as_text
 
+    if args.compared == []:
+        raise ValueError("nothing after --: give the runs to compare there, actrace diff A1 A2 -- B")
     if args.compared:  # diff A1 A2 A3 -- B C: the baseline's seeds, then the runs compared with them
         base_paths, args.paths = args.paths, args.paths + args.compared
     else:
@@ -227,7 +229,7 @@ def cmd_validate(args) -> int:
     from actrace.files.validate import validate_source
 
     n_bad = 0
-    for source in trace_sources(args.paths):  # a path that names nothing is a usage error: exit 2
+    for source in _traces_named(args.paths):  # a path that names nothing is a usage error: exit 2
         problems = validate_source(source)
         for p in problems:
             print(p)
@@ -237,10 +239,18 @@ def cmd_validate(args) -> int:
     return 1 if n_bad else 0
 
 
+def _traces_named(paths) -> list:
+    """The traces `paths` name; a folder that holds none names nothing (exit 2), as a missing path."""
+    sources = trace_sources(paths)
+    if not sources:
+        raise TraceError(f"no trace in {' '.join(map(str, paths))}")
+    return sources
+
+
 def cmd_inspect(args) -> int:
     from actrace.files.describe import describe, format_description
 
-    out = [describe(s) for s in trace_sources(args.paths)]
+    out = [describe(s) for s in _traces_named(args.paths)]
     print(json.dumps(out if len(out) > 1 else out[0], indent=2) if args.json
           else "\n\n".join(format_description(d) for d in out))
     return 0
@@ -456,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = analyzer_command("diff", "where and when runs part from a baseline, against its own noise (exit 1 if any)",
                          cmd_diff)
     p.add_argument("--format", choices=["text", "json", "csv"], default="text", help="json/csv: every parting")
-    p.add_argument("--compared", nargs="+", default=[], help=argparse.SUPPRESS)  # what `--` stands for
+    p.add_argument("--compared", nargs="*", help=argparse.SUPPRESS)  # what `--` stands for
     p.add_argument("-o", "--output", help="write the answer here instead of stdout")
     p.add_argument("--persist", type=count, default=3, metavar="N",
                    help="readings in a row outside the baseline's band that make a parting (default 3)")

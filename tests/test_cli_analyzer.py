@@ -65,9 +65,12 @@ def test_check_without_rules_fails_on_critical_findings(cli, runs):
     (["summary", "--sat-threshold", "nan", "X"], "argument --sat-threshold: 'nan': expected a finite number"),
     (["diff", "--persist", "0", "X"], "argument --persist: '0': expected a whole number of 1 or more"),
     (["diff", "--sigmas", "-1", "X"], "argument --sigmas: '-1': expected a finite number above 0"),
+    (["diff", "R", "--"], "nothing after --: give the runs to compare there"),
+    (["validate", "EMPTY"], "no trace in "),  # a folder that holds no trace names nothing, as a missing path
+    (["inspect", "EMPTY"], "no trace in "),
 ])
-def test_bad_arguments_get_a_clear_message(cli, runs, args, message):
-    args = [str(runs) if a in ("X", "R") else a for a in args]
+def test_bad_arguments_get_a_clear_message(cli, runs, args, message, tmp_path):
+    args = [str(runs) if a in ("X", "R") else str(tmp_path) if a == "EMPTY" else a for a in args]
     res = cli(*args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
 

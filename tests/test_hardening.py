@@ -123,6 +123,10 @@ def test_an_output_never_overwrites_an_input_nor_another_kind_of_file(tmp_path, 
     assert res.returncode == 2 and "symbolic link" in res.stderr and target.read_text() == "kept\n"
     res = cli(*command, trace, "-o", tmp_path)
     assert res.returncode == 2 and "is a folder" in res.stderr and "Traceback" not in res.stderr
+    live = tmp_path / "live.parquet.parts"  # another run's writer's folder: its part files are its trace
+    live.mkdir()
+    res = cli(*command, trace, "-o", live / "part-999999.parquet")
+    assert res.returncode == 2 and "inside a trace's part folder" in res.stderr and not any(live.iterdir())
     assert not list(tmp_path.glob(".*.tmp"))
 
 

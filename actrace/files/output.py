@@ -38,6 +38,9 @@ def check(path, kind: str, inputs=(), force: bool = False) -> Path:
                          "elsewhere)")
     if path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name for the {kind} output")
+    if path.parent.name.endswith(".parquet.parts"):  # a reader takes every part-*.parquet there as the trace's
+        raise ValueError(f"{path} is inside a trace's part folder ({path.parent}), which its writer owns: write the "
+                         "output elsewhere")
     for source in (s for s in map(location, inputs) if not remote(s)):  # a trace file, or a .parts directory
         inside = source.is_dir() and path.resolve().is_relative_to(source.resolve())
         if _same(path, source) or inside:
