@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from actrace.files.location import location, remote, remove
-from actrace.files.reader import TraceError, checked, part_files, trace_sources
+from actrace.files.reader import TraceError, checked, part_files, trace_sources, unwritten
 from actrace.files.validate import metadata_problems
 from actrace.format import metadata
 from actrace.format.schema import SCHEMA
@@ -35,12 +35,16 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
     whose footer breaks the spec stops it, naming the file (`skip_invalid`: left out, and said)."""
     files, runs, present = [], [], set()
     for source in trace_sources(paths):
+        if (run := unwritten(source)) is not None:  # no reading, the run not closed: said, as the Polars analyzer does
+            runs.append({"run_name": run, "status": "running", "file": str(source), "readings": 0})
+            continue
         try:
-            meta, mine = {}, []
+            meta, mine, readings = {}, [], 0
             for f in part_files(source):
                 pf = metadata.open_file(f)
                 meta = checked(pf, f)
                 mine.append((str(f), pf.schema_arrow.names))
+                readings += pf.metadata.num_rows
             problems = metadata_problems(meta, source)
             if problems:
                 raise TraceError(str(problems[0]))
@@ -51,7 +55,7 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
             continue
         files += [f for f, _ in mine]
         present.update(name for _, names in mine for name in names)
-        runs.append(dict(meta, file=str(source)))
+        runs.append(dict(meta, file=str(source), readings=readings))
     if not files:
         raise TraceError(f"no traces found in {paths}")
     return files, runs, [f.name for f in SCHEMA if f.name not in present]

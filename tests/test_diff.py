@@ -154,4 +154,5 @@ def test_a_run_apart_from_the_start_parts_only_by_moving_further_apart(tmp_path,
     assert still.returncode == 0 and still.stdout.startswith("still: no parting from the baseline"), still.stdout
     assert "from the first readings apart" in still.stdout and "std in fc" in still.stdout
     jumps = cli("diff", tmp_path / "base.parquet", tmp_path / "jumps.parquet")
-    assert jumps.returncode == 1 and jumps.stdout.startswith("jumps parts from base at step 100 in fc: std "), jumps.stdout
+    assert jumps.returncode == 1, jumps.stdout
+    assert jumps.stdout.startswith("jumps parts from base at step 100 in fc: std "), jumps.stdout

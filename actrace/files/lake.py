@@ -40,7 +40,8 @@ def traces_in(folder) -> list:
     files, unwritten = _files(folder)
     traces = [f for f in files if f.endswith(".parquet") and all("=" in d for d in f.split("/")[:-1])]
     parts = {f.rsplit("/", 1)[0] for f in files + [f"{d}/" for d in unwritten]
-             if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts") and all("=" in d for d in f.split("/")[:-2])}
+             if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts")
+             and all("=" in d for d in f.split("/")[:-2])}
     return [folder / f for f in sorted(traces)] + [folder / p for p in sorted(parts)]
 
 
