@@ -54,9 +54,15 @@ class Analysis:
                          how="diagonal_relaxed")
 
     @property
+    def read(self) -> list[dict]:
+        """The runs' metadata of those with a reading: what charts and comparisons read (the others are
+        findings only: `run_unfinished`, `run_empty`)."""
+        return [m for m in self.runs if m.get("readings") != 0]
+
+    @property
     def baseline(self) -> str | None:
         """The default baseline: the run of the first trace given that holds a reading."""
-        return next((m.get("run_name") for m in self.runs if m.get("readings") != 0), None)
+        return next((m.get("run_name") for m in self.read), None)
 
     @cached_property
     def keys(self) -> pl.DataFrame:
@@ -96,7 +102,7 @@ class Analysis:
         """run, layer, step, hist of the activation readings of the chosen (run, layer) pairs."""
         chosen = pl.DataFrame(pairs, schema=["run", "layer"], orient="row")
         frames, runs = [], set(chosen["run"])
-        for meta in self.runs:
+        for meta in self.read:
             if meta.get("run_name") in runs:
                 table, _ = read_source(location(meta["file"]), ["run", "layer", "stream", "step", "hist"])
                 rows = pl.from_arrow(table).with_columns(run=pl.lit(meta["run_name"]))  # runs of one name: apart
@@ -108,7 +114,7 @@ class Analysis:
         """Where every other run parts from `baseline` (default: the first trace's run), as `actrace
         diff` says: only differences outside the baseline's band."""
         baseline = baseline or self.baseline
-        names = [meta.get("run_name") for meta in self.runs]
+        names = [meta.get("run_name") for meta in self.read]
         if baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
         if baseline not in self._parted:

@@ -219,8 +219,9 @@ def _parting(gap: np.ndarray, h: np.ndarray, persist: int, apart: bool = False) 
     its median over every reading before, for `persist` readings in a row (to the end, two at
     least); None where it never moves so. Candidates are the readings at least half a band from the
     mean before (one pass over all), and the median decides (the prefixes' medians made once). Runs
-    `apart` from the first readings part only by moving further apart: a gap that narrows (the
-    baseline drifting towards where the run was all along) is no parting of the run."""
+    `apart` from the first readings part only by moving further apart (or across, further on the
+    other side): a gap that narrows (the baseline drifting towards where the run was all along) is
+    no parting of the run."""
     n = len(gap)
     mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
     candidates = (np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1).tolist()
@@ -230,7 +231,7 @@ def _parting(gap: np.ndarray, h: np.ndarray, persist: int, apart: bool = False) 
     for i in candidates:
         ahead = range(i, min(i + persist, n))
         if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] and not (
-                apart and (gaps[j] - before[i]) * before[i] < 0) for j in ahead):
+                apart and abs(gaps[j]) <= abs(before[i])) for j in ahead):
             return i, before[i]
     return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 import uuid
 import warnings
+from collections import Counter
 from contextlib import nullcontext
 
 import polars as pl
@@ -34,7 +35,7 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
     `file`), and the spec columns no file holds (an older minor version's: read as null). A trace
     whose footer breaks the spec stops it, naming the file (`skip_invalid`: left out, and said)."""
     files, runs, present = [], [], set()
-    for source in trace_sources(paths):
+    for source in trace_sources(paths, unwritten=True):
         if (run := unwritten(source)) is not None:  # no reading, the run not closed: said, as the Polars analyzer does
             runs.append({"run_name": run, "status": "running", "file": str(source), "readings": 0})
             continue
@@ -58,6 +59,10 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
         runs.append(dict(meta, file=str(source), readings=readings))
     if not files:
         raise TraceError(f"no traces found in {paths}")
+    named = Counter(m["run_name"] for m in runs)
+    if any(n > 1 for n in named.values()):  # as one run, each reading's last written: the Polars analyzer
+        warnings.warn(f"traces name one run {', '.join(repr(r) for r, n in named.items() if n > 1)}: read as one run "
+                      "(--engine polars tells runs that share a name apart)", stacklevel=2)
     return files, runs, [f.name for f in SCHEMA if f.name not in present]
 
 

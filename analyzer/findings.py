@@ -461,11 +461,13 @@ def _layers(names: list[str]) -> str:
 
 def _solving(loss: pl.DataFrame, since: int, last: int) -> bool:
     """Whether the logged loss over steps [since, last] has a median under half its median over as
-    long a span before `since` (all of it finite): the loss still falling steeply."""
+    long a span before `since` (all of it finite, and that one above 0): the loss still falling steeply."""
     steps, values = loss["step"].to_numpy(), loss["value"].to_numpy()
     span = max(last - since, 1)
     before, now = values[(steps >= since - span) & (steps < since)], values[(steps >= since) & (steps <= last)]
-    return bool(len(before) and len(now) and np.isfinite(now).all() and np.median(now) < np.median(before) / 2)
+    if not len(before) or not len(now) or not np.isfinite(now).all() or np.median(before) <= 0:
+        return False  # (a loss below 0, a log-likelihood's, falls by no ratio)
+    return bool(np.median(now) < np.median(before) / 2)
 
 
 def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool, str] | None:
@@ -625,14 +627,14 @@ def status_findings(runs: list[dict]) -> list[Finding]:
                                 "was killed before its first flush, or has just begun"))
         elif status == "running":
             out.append(_finding("critical", "run_unfinished", run, "-", -1, f"{file} was not closed (status running)"))
-        elif meta.get("readings") == 0:
-            out.append(_finding("critical", "run_empty", run, "-", -1, f"{file} holds no reading"))
         elif status.startswith("failed"):
             out.append(_finding("critical", "run_failed", run, "-", -1, f"the run ended with an exception ({status})"))
         elif status in ("interrupted", "terminated"):
             out.append(_finding("critical", "run_stopped", run, "-", -1, f"the run was {status} before it finished"))
         elif status.startswith("incomplete"):
             out.append(_finding("critical", "stream_missing", run, "-", -1, f"the run closed {status}"))
+        elif meta.get("readings") == 0:  # closed cleanly, yet with nothing to judge it by
+            out.append(_finding("critical", "run_empty", run, "-", -1, f"{file} holds no reading"))
     return out
 
 

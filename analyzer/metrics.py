@@ -6,7 +6,6 @@ per-unit lists are reduced to counts as each trace is read, so many runs fit in 
 """
 from __future__ import annotations
 
-import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -304,6 +303,18 @@ def _has_per_unit(t: pa.Table) -> bool:
     return pc.any(_per_unit(t)).as_py()
 
 
+def _counted(table: pa.Table, th: Thresholds) -> pl.DataFrame:
+    """Readings (`_READ` columns) as the metrics read them: with their dead, pinned and dormant unit
+    counts, the per-unit lists kept only for heads and experts."""
+    counts = unit_counts(table, th)
+    keep = _per_unit(table)  # the per-unit lists of heads and experts stay: few rows, read one by one
+    for name in UNIT_LISTS:
+        table = table.set_column(table.column_names.index(name), name,
+                                 pc.if_else(keep, table[name], pa.nulls(len(table), table[name].type)))
+    table = table.drop_columns(["unit_min_dev", "unit_sumsq"])
+    return pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
+
+
 def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
     layers, what saturation needs); its metadata. The columns read are checked first (spec
@@ -321,13 +332,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
         table = table.filter(pc.is_in(table["stream"], pa.array(list(STREAMS))))
         table = table.set_column(table.column_names.index("kind"), "kind", pc.if_else(
             pc.is_in(table["kind"], pa.array(list(KINDS))), table["kind"], "other"))
-    counts = unit_counts(table, th)
-    keep = _per_unit(table)  # the per-unit lists of heads and experts stay: few rows, read one by one
-    for name in UNIT_LISTS:
-        table = table.set_column(table.column_names.index(name), name,
-                                 pc.if_else(keep, table[name], pa.nulls(len(table), table[name].type)))
-    table = table.drop_columns(["unit_min_dev", "unit_sumsq"])
-    df = pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
+    df = _counted(table, th)
     unique = df.unique(subset=list(READING_KEY), keep="last", maintain_order=True)
     if unique.height < df.height:  # spec §Validity: one reading per key; the last written stands
         warnings.warn(f"{source}: {df.height - unique.height} reading(s) repeat a (run, layer, stream, param, "
@@ -348,62 +353,69 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
     time (reading one while reducing the other), so memory holds two traces' per-unit lists and the
     compressed table. A trace that cannot be read or breaks the spec stops the analysis, naming it;
     with `skip_invalid` it is left out, and said."""
-    sources = trace_sources(paths)
+    sources = trace_sources(paths, unwritten=True)
     if not sources:
         raise TraceError(f"no traces found in {paths}")
 
     def reduce(source):
         if (run := unwritten(source)) is not None:  # no reading, and the run not closed: said (status_findings)
-            return source, None, None, {"run_name": run, "status": "running", "file": str(source), "readings": 0}
-        try:
-            rows, meta = _reduce_source(source, th)
-        except TraceError as exc:
-            if not skip_invalid:
-                raise
-            warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
-            return None
+            rows, meta = _counted(SCHEMA.empty_table().select(_READ), th), {"run_name": run, "status": "running",
+                                                                              "file": str(source), "readings": 0}
+        else:
+            try:
+                rows, meta = _reduce_source(source, th)
+            except TraceError as exc:
+                if not skip_invalid:
+                    raise
+                warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
+                return None
         side = rows.filter((pl.col("stream") == "scalar") | pl.col("kind").is_in(DERIVED_KINDS)).select(SIDE_COLUMNS)
         return source, RunRows.of(meta["run_name"], _metric_rows(rows, th).sort(ORDER)), side, meta
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = [d for d in pool.map(reduce, sources) if d is not None]
     if not done:
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
     # each trace holds one run (spec §Columns). A run in several traces (a resumed run, its parameters
     # in another file) has its traces reduced again together: its layers' tensors are one reading. Traces
-    # of one name holding the same readings are not that: runs that share a name (old/x, new/x), read apart
+    # of one name most of whose readings are the same ones are not that: runs that share a name (old/x,
+    # new/x), read apart. A trace without a reading stands alone (it is said: `status_findings`)
     split: dict[str, list] = {}
-    for source, r, _, meta in done:
-        if r is not None:
-            split.setdefault(meta["run_name"], []).append(source)
-    rows = [r for _, r, _, meta in done if r is not None and len(split[meta["run_name"]]) == 1]
-    side = {source: s for source, _, s, _ in done if s is not None}
-    metas = {source: meta for source, *_, meta in done}
-    for run, sources in ((run, sources) for run, sources in split.items() if len(sources) > 1):
+    for source, _, _, meta in done:
+        split.setdefault(meta["run_name"], []).append(source)
+    metas, reduced_rows = {source: meta for source, *_, meta in done}, {source: r for source, r, _, _ in done}
+    side, rows = {source: s for source, _, s, _ in done}, []
+    for run, group in split.items():
+        sources = [s for s in group if metas[s]["readings"]]
+        if len(sources) < 2:  # one run's rows per name: its trace with readings, else the one it has
+            rows.append(reduced_rows[(sources or group)[0]])
+            continue
         with warnings.catch_warnings():  # what their first reading said stands
             warnings.simplefilter("ignore")
             frames = [_reduce_source(s, th)[0] for s in sources]
         joined = pl.concat(frames, how="diagonal_relaxed")
-        if not joined.select(READING_KEY).is_duplicated().any():
+        if 2 * joined.select(READING_KEY).is_duplicated().sum() <= joined.height:
             rows.append(RunRows.of(run, _metric_rows(joined, th).sort(ORDER)))
             continue
         labels = _labels(sources)
-        warnings.warn(f"{', '.join(map(str, sources))} each name their run {run!r} and hold readings of the same "
-                      f"layers and steps: read as {len(sources)} runs, {', '.join(map(repr, labels))} (a run's "
+        warnings.warn(f"{', '.join(map(str, sources))} each name their run {run!r}, most of their readings of the "
+                      f"same layers and steps: read as {len(sources)} runs, {', '.join(map(repr, labels))} (a run's "
                       "name is the writer's run=, else its file's)", stacklevel=2)
         for source, frame, label in zip(sources, frames, labels):
             rows.append(RunRows.of(label, _metric_rows(frame.with_columns(run=pl.lit(label)), th).sort(ORDER)))
             side[source] = side[source].with_columns(run=pl.lit(label))
             metas[source]["run_name"] = label
-    side = list(side.values()) or [pl.from_arrow(SCHEMA.empty_table().select(SIDE_COLUMNS))]
-    return RunTables(rows), pl.concat(side, how="diagonal_relaxed"), list(metas.values())
+    return RunTables(rows), pl.concat(list(side.values()), how="diagonal_relaxed"), list(metas.values())
 
 
 def _labels(sources: list) -> list[str]:
-    """Names that tell apart runs of one name by their traces' paths: each path below the folder they
-    share, without its suffix (old/baseline, new/baseline)."""
-    paths = [str(s) for s in sources]
-    common = os.path.commonpath(paths) if all(os.path.isabs(p) == os.path.isabs(paths[0]) for p in paths) else ""
-    return [p[len(common):].lstrip("/").removesuffix(".parts").removesuffix(".parquet") or p for p in paths]
+    """Names that tell apart runs of one name by their traces' paths (local or URLs): each path below
+    the folders they share, without its suffix (old/baseline, new/baseline)."""
+    parts = [str(s).split("/") for s in sources]
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    return ["/".join(p[shared:]).removesuffix(".parts").removesuffix(".parquet") for p in parts]
 
 
 def _metric_rows(rows: pl.DataFrame, th: Thresholds) -> pl.DataFrame:

@@ -93,7 +93,7 @@ class Choice:
 def choose(analysis: Analysis, baseline: str | None) -> Choice:
     found = analysis.findings
     first = baseline or analysis.baseline
-    names = [r.get("run_name") for r in analysis.runs]
+    names = [r.get("run_name") for r in analysis.read]
     menu = [first] + [n for n in names if n != first]
     worst = {}
     for f in found:

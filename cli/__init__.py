@@ -79,8 +79,9 @@ def analysis(args):
     progress("reading traces, computing metrics and findings")
     a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
                 skip_invalid=args.skip_invalid, engine=args.engine, spark=spark_settings(args))
-    if not a.tables.height and not a.findings:  # a run that never read its model may still have findings
-        raise ValueError(f"no readings in {' '.join(args.paths)}")
+    if not a.read and args.command not in ("check", "findings"):  # those two say why: run_empty, run_unfinished
+        said = "; ".join(f.evidence for f in a.findings if f.rule in ("run_empty", "run_unfinished"))
+        raise ValueError(f"no readings in {' '.join(args.paths)}" + (f" ({said})" if said else ""))
     return a
 
 
@@ -190,7 +191,7 @@ def cmd_diff(args) -> int:
     bad = sorted(set(args.metrics) - set(METRICS))
     if bad:
         raise ValueError(f"--metrics {bad[0]!r} is not a metric diff compares; they are {', '.join(METRICS)}")
-    base_files = {str(s) for s in trace_sources(base_paths)}
+    base_files = {str(s) for s in trace_sources(base_paths, unwritten=True)}
     a = analysis(args)
     empty = {m["run_name"] for m in a.runs if m.get("readings") == 0}  # nothing to compare: said, never a pass
     baselines = [m["run_name"] for m in a.runs if m["file"] in base_files and m["run_name"] not in empty]

@@ -278,7 +278,7 @@ def test_runs_that_share_a_name_are_read_apart_by_their_paths(tmp_path, cli):
     old, new = tmp_path / "old" / "baseline.parquet", tmp_path / "new" / "baseline.parquet"
     write_run(old, "baseline")
     write_run(new, "baseline", dead=lambda s: 24 if s >= 300 else 0)
-    with pytest.warns(UserWarning, match="each name their run 'baseline' and hold readings of the same layers"):
+    with pytest.warns(UserWarning, match="each name their run 'baseline', most of their readings of the same layers"):
         a = analyze([old, new])
     assert [m["run_name"] for m in a.runs] == ["old/baseline", "new/baseline"]
     one = metrics(old)
@@ -289,3 +289,23 @@ def test_runs_that_share_a_name_are_read_apart_by_their_paths(tmp_path, cli):
     res = cli("diff", old, new)
     assert res.returncode == 1 and res.stdout.startswith("new/baseline parts from old/baseline at step 300 in "
                                                          "block2.relu: dead fraction"), res.stdout
+    from actrace.analyzer.metrics import _labels
+
+    assert _labels(["s3://lab/old/baseline.parquet", "s3://lab/new/baseline.parquet.parts"]) == ["old/baseline",
+                                                                                                  "new/baseline"]
+
+
+def test_a_resumed_run_whose_traces_share_a_few_steps_stays_one_run(tmp_path):
+    """A run resumed from a checkpoint at step 400 writes its readings from there to a second trace:
+    one of its six readings is also in the first. Most are not: one run, not two."""
+    import warnings
+
+    from actrace.analyzer import analyze
+
+    write_run(tmp_path / "a.parquet", "r", steps=range(0, 500, 100))
+    write_run(tmp_path / "b.parquet", "r", steps=range(400, 1000, 100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: no run read apart
+        a = analyze([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+    assert [m["run_name"] for m in a.runs] == ["r", "r"] and a.metrics["run"].unique().to_list() == ["r"]
+    assert a.metrics["step"].unique().sort().to_list() == list(range(0, 1000, 100))

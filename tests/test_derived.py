@@ -627,8 +627,8 @@ def test_an_implementations_call_gives_the_scores_its_mask_and_options_say(case)
 
 
 @pytest.mark.parametrize("loss, said", [(lambda step: 2.0 * 0.97 ** step, False), (lambda step: 2.0, True),
-                                        (lambda step: 0.5 + 0.01 * step, True)],
-                         ids=["loss-falling-steeply", "loss-flat", "loss-rising"])
+                                        (lambda step: 0.5 + 0.01 * step, True), (lambda step: -1.0, True)],
+                         ids=["loss-falling-steeply", "loss-flat", "loss-rising", "loss-negative-flat"])
 def test_heads_gone_one_hot_and_a_rising_log_z_are_said_unless_the_loss_falls_steeply(tmp_path, loss, said):
     """Four heads' entropy (over its maximum) falls from 0.8 to 0.02 by step 150 and the LM head's
     log Z rises 8 nats, readings every 10 steps to 300. While the logged loss falls to a fraction

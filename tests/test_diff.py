@@ -134,9 +134,10 @@ def test_diff_needs_a_run_to_compare(runs, cli):
 
 def test_a_run_apart_from_the_start_parts_only_by_moving_further_apart(tmp_path, cli):
     """The baseline's layer grows its spread ×5 over its readings; one run holds it at 50 from the
-    first reading, another holds it there and then jumps ×100 at step 100. Both are apart from the
-    start; the first never moves, so the gap that narrows as the baseline drifts towards it is no
-    parting of it; the second parts where it jumped."""
+    first reading, another holds it there and then jumps ×100 at step 100, a third drops there as
+    far below the baseline as it was above. All are apart from the start; the first never moves, so
+    the gap that narrows as the baseline drifts towards it is no parting of it; the others part
+    where they moved."""
     import numpy as np
 
     import actrace
@@ -150,9 +151,11 @@ def test_a_run_apart_from_the_start_parts_only_by_moving_further_apart(tmp_path,
     write("base", lambda i: 0.1 * 5 ** (i / 19))
     write("still", lambda i: 50.0)
     write("jumps", lambda i: 50.0 if i < 10 else 5000.0)
+    write("crosses", lambda i: 50.0 if i < 10 else 0.0005)  # as far below the baseline as it was above
     still = cli("diff", tmp_path / "base.parquet", tmp_path / "still.parquet")
     assert still.returncode == 0 and still.stdout.startswith("still: no parting from the baseline"), still.stdout
     assert "from the first readings apart" in still.stdout and "std in fc" in still.stdout
-    jumps = cli("diff", tmp_path / "base.parquet", tmp_path / "jumps.parquet")
-    assert jumps.returncode == 1, jumps.stdout
-    assert jumps.stdout.startswith("jumps parts from base at step 100 in fc: std "), jumps.stdout
+    for run in ("jumps", "crosses"):
+        said = cli("diff", tmp_path / "base.parquet", tmp_path / f"{run}.parquet")
+        assert said.returncode == 1 and said.stdout.startswith(f"{run} parts from base at step 100 in fc: std "), \
+            said.stdout

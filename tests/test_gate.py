@@ -107,11 +107,19 @@ def test_a_run_killed_before_its_first_flush_or_closed_empty_fails_the_gate_amon
     killed = subprocess.run([sys.executable, "-c", KILLED, runs / "killed.parquet"], timeout=HUNG)
     assert killed.returncode == -signal.SIGKILL and not any((runs / "killed.parquet.parts").iterdir())
     actrace.Writer(runs / "empty.parquet").close()
+    actrace.Writer(runs / "raised.parquet").close(RuntimeError("before any reading"))  # said as it ended, not empty
     for engine in ("polars", "duckdb"):  # (the SQL engines read the runs' status from the same footers)
         gate = cli("check", runs, "--engine", engine)
         assert gate.returncode == 1 and "killed / -: critical finding run_unfinished" in gate.stdout, gate.stdout
         assert "killed.parquet.parts holds no part file" in gate.stdout
         assert "empty / -: critical finding run_empty" in gate.stdout and "healthy / " not in gate.stdout
+        assert "raised / -: critical finding run_failed" in gate.stdout and "raised / -: critical finding run_empty" \
+            not in gate.stdout
+    for command in (["summary"], ["report", "-o", tmp_path / "r.html"], ["inspect"], ["findings"]):  # the folder
+        said = cli(*command, runs)
+        assert said.returncode == 0 and "Traceback" not in said.stderr, (command, said.stderr[-2000:])
+    assert "run_unfinished" in cli("summary", runs).stdout
+    assert actrace.read_table(runs).num_rows == actrace.read_table(runs / "healthy.parquet").num_rows  # nothing there
     summary = cli("summary", runs / "empty.parquet", runs / "healthy.parquet")
     assert summary.returncode == 0 and "against the baseline run healthy" in summary.stdout, summary.stderr
     refused = cli("diff", runs / "empty.parquet", runs / "healthy.parquet")

@@ -33,13 +33,13 @@ def lake_run(path) -> str | None:
     return unquote(parent.removeprefix("run=")) if path.name == TRACE and parent.startswith("run=") else None
 
 
-def traces_in(folder) -> list:
+def traces_in(folder, unwritten: bool = False) -> list:
     """The traces in `folder` and in its Hive partitions (`key=value` folders) at any depth: each
-    compacted trace, and the `.parts` folder of each one that is not compacted (yet), one its writer
-    has not flushed into (yet: or never will, killed before it did) too."""
-    files, unwritten = _files(folder)
+    compacted trace, and the `.parts` folder of each one that is not compacted (yet); with
+    `unwritten`, one its writer has not flushed into (yet: or never will, killed before it did) too."""
+    files, empty = _files(folder)
     traces = [f for f in files if f.endswith(".parquet") and all("=" in d for d in f.split("/")[:-1])]
-    parts = {f.rsplit("/", 1)[0] for f in files + [f"{d}/" for d in unwritten]
+    parts = {f.rsplit("/", 1)[0] for f in files + [f"{d}/" for d in (empty if unwritten else ())]
              if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts")
              and all("=" in d for d in f.split("/")[:-2])}
     return [folder / f for f in sorted(traces)] + [folder / p for p in sorted(parts)]

@@ -23,9 +23,10 @@ def expand(pattern) -> list:
     return glob(pattern) if has_magic(pattern) else [location(pattern)]
 
 
-def trace_sources(paths) -> list:
+def trace_sources(paths, unwritten: bool = False) -> list:
     """Expand files, globs, `NAME.parquet.parts` dirs and folders of traces, local or in object
-    storage, into trace sources."""
+    storage, into trace sources; with `unwritten`, a folder's `.parts` folders that hold no part
+    file yet too (the analyzer says what they are; a reader has nothing to read there)."""
     if isinstance(paths, (str, Path)) or remote(paths):
         paths = [paths]
     sources: list = []
@@ -39,7 +40,7 @@ def trace_sources(paths) -> list:
             if not m.exists():
                 raise TraceError(f"{m}: no such file or directory")
             if m.is_dir() and not m.name.endswith(".parts"):  # a folder of traces, or a lake of partitions
-                sources += [p for p in traces_in(m) if p not in sources]
+                sources += [p for p in traces_in(m, unwritten) if p not in sources]
             elif m not in sources:
                 sources.append(m)
     # a compacted trace wins over the parts left by the same writer mid-compaction
