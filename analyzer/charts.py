@@ -68,10 +68,13 @@ def _layer_axis(n_layers: int, sort) -> alt.Y:
 
 
 def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], runs: list[str],
-                   default_run=None, menu: str = "heatmap_run") -> alt.HConcatChart:
+                   default_run=None, menu: str = "heatmap_run", bad: dict[str, str] | None = None) -> alt.HConcatChart:
     """Per run (chosen in the menu named `menu`, in the order of `runs`), a layer × step heatmap
     for each (column, title, colour at 1, why a run may have none); 0 is near white, so a healthy
-    layer looks healthy, and a run with nothing to show in a panel gets that reason written there."""
+    layer looks healthy, and a run with nothing to show in a panel gets that reason written there.
+    `bad`: per column, the column counting its reading's NaN and Inf values: such a cell is black
+    (its metric is unknown, and drawn as nothing would read as healthy)."""
+    bad = {c: b for c, b in (bad or {}).items() if b in df.columns}
     present = set(df["run"])
     runs = [r for r in runs if r in present]
     run = _select(menu, runs, "run ", default_run)
@@ -96,9 +99,14 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
         note = alt.Chart(pl.DataFrame({"run": empty, "note": [why] * len(empty)}, schema={
             "run": pl.String, "note": pl.String})).mark_text(fontSize=12, color="#666", lineBreak="|").encode(
             text="note:N", x=alt.value(130), y=alt.value(height / 2)).transform_filter(alt.datum.run == run)
-        charts.append(alt.layer(rects, note).properties(title=title, width=width, height=height))
+        broken = [alt.Chart().mark_rect(color="#111").encode(
+            x=alt.X("step:O"), y=_layer_axis(n_layers, order),
+            tooltip=["layer:N", "step:Q", alt.Tooltip(f"{bad[column]}:Q", title="NaN/Inf values")],
+        ).transform_filter(alt.datum.run == run).transform_filter(alt.datum[bad[column]] > 0)] if column in bad else []
+        charts.append(alt.layer(rects, *broken, note).properties(title=title, width=width, height=height))
     shown = [c for c, *_ in metrics if c in df.columns]
-    columns = ["run", "layer", "step"] + shown + [t.split(":")[0] for c in shown for t in TOOLTIPS.get(c, [])]
+    columns = ["run", "layer", "step"] + shown + [t.split(":")[0] for c in shown for t in TOOLTIPS.get(c, [])] + \
+        list(dict.fromkeys(bad.values()))
     return alt.hconcat(*charts, data=inline(df.select(columns))).add_params(run).resolve_scale(color="independent")
 
 

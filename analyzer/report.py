@@ -180,24 +180,27 @@ def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
     a = analysis.aligned
     acts = _thin_steps(a.filter(pl.col("stream") == "activation"), c.heat_steps)
     grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), c.heat_steps)
+    bad = (pl.col("nan_count").fill_null(0) + pl.col("inf_count").fill_null(0))  # a reading's NaN and Inf values
     heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value", "top_ratio",
-                       "top_unit")
+                       "top_unit", bad.alias("activation_bad"))
     if grads.height:  # one row per (run, layer, step), its three numbers side by side
-        heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm"),
+        heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm", bad.alias("grad_bad")),
                          on=["run", "layer", "layer_index", "step"], how="full", coalesce=True, maintain_order="left")
     if not heat.height:
         return None
     return Section("heatmaps", "Layers × steps", "Per run (menu, or a click on the overview): dead fraction, saturated "
                    "share of values, gradient norm, and how far the largest unit stands above the median unit (the "
                    "same unit far above at every step is a massive activation; the tooltip names it) for every layer "
-                   "and step. Layers run from input (top) to output.",
+                   "and step; a black cell: that reading holds a NaN or an Inf. Layers run from input (top) to output.",
                    charts.layer_heatmaps(_compact(heat), [
                        ("dead_fraction", "dead fraction", "#b2182b", "no activation readings in this run"),
                        ("saturation_value", "saturation (values)", "#d94801",
                         "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
                        ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)"),
                        ("top_ratio", "largest ÷ median unit", "", "no layer of 8 units or more in this run")],
-                       c.menu_runs, default_run=c.focus.run if c.focus else c.baseline))
+                       c.menu_runs, default_run=c.focus.run if c.focus else c.baseline,
+                       # black where a reading holds NaN/Inf; not saturation's: a layer of no bound has none anyway
+                       bad={"dead_fraction": "activation_bad", "top_ratio": "activation_bad", "grad_norm": "grad_bad"}))
 
 
 def _recurrent(analysis: Analysis, c: Choice) -> Section | None:

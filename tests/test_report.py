@@ -91,3 +91,25 @@ def test_report_embeds_layers_in_depth_order(report):
     heat = spec["heatmaps"]["hconcat"][0]["layer"][0]
     order = heat["encoding"]["y"]["sort"]
     assert order.index("block0.relu") < order.index("block1.relu") < order.index("block5.relu") < order.index("out")
+
+
+def test_a_reading_that_holds_a_nan_is_a_black_cell_not_a_healthy_one(tmp_path, cli):
+    """A NaN at step 300 in the outputs of layers 3 to 5 of one run: in its dead-fraction and
+    largest ÷ median panels the 3 layers × 3 steps from there are black (9 cells each: its metrics
+    are unknown, and undrawn they read as healthy), and its gradient panel has none; a run without a
+    NaN has no black cell."""
+    from conftest import rendered
+
+    write_run(tmp_path / "nan.parquet", "nan", nan_at=300)
+    write_run(tmp_path / "healthy.parquet", "healthy")
+    res = cli("report", tmp_path / "nan.parquet", tmp_path / "healthy.parquet", "-o", tmp_path / "r.html")
+    assert res.returncode == 0, res.stderr
+    black = {}
+    with rendered(tmp_path / "r.html", "heatmaps") as (page, errors):
+        for run in ("nan", "healthy"):
+            page.locator("#heatmaps select").select_option(run)
+            page.wait_for_timeout(500)
+            black[run] = page.evaluate("""() => document.querySelectorAll('#heatmaps .mark-rect path[fill="#111"]')
+                .length""")
+    assert errors == []
+    assert black == {"nan": 2 * 9, "healthy": 0}, black  # the gradients hold no NaN: no black cell there
