@@ -24,6 +24,7 @@ import polars as pl
 
 from actrace.format.schema import shown
 
+from .metrics import non_finite
 from .trends import series_bounds
 
 # metric: (stream, scale, floor, what it is): a share compares as it is, a norm or spread by its log10,
@@ -200,8 +201,8 @@ def _non_finite(aligned: pl.DataFrame, baselines: list[str], runs: list[str]) ->
     """Per run, aligned layer and stream, its first reading holding a NaN or Inf where the baselines'
     reading at the same x holds none: a run gone NaN parts there (its metrics are unknown from there
     on, which the bands cannot compare)."""
-    bad = (pl.col("nan_count").fill_null(0) + pl.col("inf_count").fill_null(0)).alias("bad")
-    rows = aligned.lazy().select("run", "aligned", "layer", "layer_index", "stream", "x", "step", bad)
+    rows = aligned.lazy().select("run", "aligned", "layer", "layer_index", "stream", "x", "step",
+                                 non_finite().alias("bad"))
     base = rows.filter(pl.col("run").is_in(baselines)).group_by("aligned", "stream", "x").agg(
         pl.col("bad").max().alias("base"))
     hit = rows.filter(pl.col("run").is_in(runs) & (pl.col("bad") > 0)).join(base, on=["aligned", "stream", "x"]) \

@@ -36,8 +36,8 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
     whose footer breaks the spec stops it, naming the file (`skip_invalid`: left out, and said)."""
     files, runs, present = [], [], set()
     for source in trace_sources(paths, unwritten=True):
-        if (run := unwritten(source)) is not None:  # no reading, the run not closed: said, as the Polars analyzer does
-            runs.append({"run_name": run, "status": "running", "file": str(source), "readings": 0})
+        if (meta := unwritten(source)) is not None:  # no reading, the run not closed: said (status_findings)
+            runs.append(meta)
             continue
         try:
             meta, mine, readings = {}, [], 0

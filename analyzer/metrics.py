@@ -185,6 +185,11 @@ def _finite_n() -> pl.Expr:
     return pl.col("count") - pl.col("nan_count") - pl.col("inf_count")
 
 
+def non_finite() -> pl.Expr:
+    """A metric row's NaN and Inf values (0 where it counts none: a row of no such count)."""
+    return pl.col("nan_count").fill_null(0) + pl.col("inf_count").fill_null(0)
+
+
 def sparsity() -> pl.Expr:
     """Share of individual finite values that are exactly zero (not death)."""
     finite = _finite_n()
@@ -358,9 +363,8 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
         raise TraceError(f"no traces found in {paths}")
 
     def reduce(source):
-        if (run := unwritten(source)) is not None:  # no reading, and the run not closed: said (status_findings)
-            rows, meta = _counted(SCHEMA.empty_table().select(_READ), th), {"run_name": run, "status": "running",
-                                                                              "file": str(source), "readings": 0}
+        if (meta := unwritten(source)) is not None:  # no reading, and the run not closed: said (status_findings)
+            rows = _counted(SCHEMA.empty_table().select(_READ), th)
         else:
             try:
                 rows, meta = _reduce_source(source, th)

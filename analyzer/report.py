@@ -21,7 +21,7 @@ from . import charts, page
 from .analysis import Analysis
 from .diff import as_text
 from .findings import SEVERITY_RANK, Finding, group
-from .metrics import last_reading
+from .metrics import last_reading, non_finite
 
 SIG_DIGITS = 3            # floats in the embedded data: what a chart or a tooltip resolves
 HEAT_ROWS = 80_000        # (run, layer, step) rows of the heatmaps together: about 3 MiB of page at any fleet size
@@ -180,11 +180,10 @@ def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
     a = analysis.aligned
     acts = _thin_steps(a.filter(pl.col("stream") == "activation"), c.heat_steps)
     grads = _thin_steps(a.filter(pl.col("stream") == "param_grad"), c.heat_steps)
-    bad = (pl.col("nan_count").fill_null(0) + pl.col("inf_count").fill_null(0))  # a reading's NaN and Inf values
     heat = acts.select("run", "layer", "layer_index", "step", "dead_fraction", "saturation_value", "top_ratio",
-                       "top_unit", bad.alias("activation_bad"))
+                       "top_unit", non_finite().alias("activation_bad"))
     if grads.height:  # one row per (run, layer, step), its three numbers side by side
-        heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm", bad.alias("grad_bad")),
+        heat = heat.join(grads.select("run", "layer", "layer_index", "step", "grad_norm", non_finite().alias("grad_bad")),
                          on=["run", "layer", "layer_index", "step"], how="full", coalesce=True, maintain_order="left")
     if not heat.height:
         return None

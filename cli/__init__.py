@@ -193,8 +193,8 @@ def cmd_diff(args) -> int:
         raise ValueError(f"--metrics {bad[0]!r} is not a metric diff compares; they are {', '.join(METRICS)}")
     base_files = {str(s) for s in trace_sources(base_paths, unwritten=True)}
     a = analysis(args)
-    empty = {m["run_name"] for m in a.runs if m.get("readings") == 0}  # nothing to compare: said, never a pass
-    baselines = [m["run_name"] for m in a.runs if m["file"] in base_files and m["run_name"] not in empty]
+    empty = {m["run_name"] for m in a.runs} - {m["run_name"] for m in a.read}  # nothing to compare: said, no pass
+    baselines = [m["run_name"] for m in a.read if m["file"] in base_files]
     runs = [m["run_name"] for m in a.runs if m["file"] not in base_files]
     if not runs:
         raise ValueError("every trace given is a baseline: put the runs to compare after --")

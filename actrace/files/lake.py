@@ -27,10 +27,13 @@ def lake_path(lake, run: str, project: str = "default") -> str:
     return f"{str(lake).rstrip('/')}/project={_escaped(project)}/run={_escaped(run)}/{TRACE}"
 
 
-def lake_run(path) -> str | None:
-    """The run a lake's trace path names (`…/run=R/trace.parquet`), else None."""
+def path_run(path) -> str:
+    """The run a trace's path names, a writer's run when none is given: a lake's partition
+    (`…/run=R/trace.parquet`), else the file's name without `.parquet`."""
     parent = path.parent.name
-    return unquote(parent.removeprefix("run=")) if path.name == TRACE and parent.startswith("run=") else None
+    if path.name == TRACE and parent.startswith("run="):
+        return unquote(parent.removeprefix("run="))
+    return path.name.removesuffix(".parquet")
 
 
 def traces_in(folder, unwritten: bool = False) -> list:

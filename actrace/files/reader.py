@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actrace.files.lake import lake_run, traces_in
+from actrace.files.lake import path_run, traces_in
 from actrace.files.location import glob, has_magic, location, remote
 from actrace.format import metadata
 from actrace.format.metadata import TraceError
@@ -48,14 +48,15 @@ def trace_sources(paths, unwritten: bool = False) -> list:
     return [s for s in sources if not (s.name.endswith(".parts") and s.with_name(s.name[:-6]) in names)]
 
 
-def unwritten(source) -> str | None:
-    """The run a `.parts` directory with no part file in it is of (its writer's default name: it names
-    no other anywhere yet); None for any other source. Its writer has not flushed yet, or never will:
-    it was killed before its first flush."""
+def unwritten(source) -> dict | None:
+    """The run metadata of a `.parts` directory with no part file in it, as an analyzer lists its runs':
+    no reading, status `running`, the run its path names (its writer's default: it names no other
+    anywhere yet); None for any other source. Its writer has not flushed yet, or never will: it was
+    killed before its first flush."""
     if not (source.name.endswith(".parquet.parts") and source.is_dir()) or any(source.glob("part-*.parquet")):
         return None
-    trace = source.with_name(source.name.removesuffix(".parts"))
-    return lake_run(trace) or trace.name.removesuffix(".parquet")
+    return {"run_name": path_run(source.with_name(source.name.removesuffix(".parts"))), "status": "running",
+            "file": str(source), "readings": 0}
 
 
 def part_files(source: Path) -> list[Path]:

@@ -27,7 +27,7 @@ from actrace.format import metadata
 from actrace.reduce import Reading, ReductionError, reduce_array
 from actrace.reduce.reading import LayerTotals
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, bounds_for, safe_name
-from actrace.files.lake import lake_run
+from actrace.files.lake import path_run
 from actrace.files.location import location, remote, remove
 from actrace.files.table import LayerRows, row, rows_to_table
 
@@ -248,7 +248,7 @@ class Writer:
             raise
         self._unwritable = False
         self._names: dict[str, str] = {}
-        self.run = self._safe(run or lake_run(self.path) or self.path.name.removesuffix(".parquet"))
+        self.run = self._safe(run or path_run(self.path))
         self.mode = mode
         self.probe_fingerprint = probe_fingerprint
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
