@@ -92,6 +92,7 @@ class Diff:
     unaligned: dict[str, list[str]]   # run → its layers (aligned keys) the baseline has not, and the reverse
     from_start: list[Parting] = field(default_factory=list)
     widths: dict[str, list[str]] = field(default_factory=dict)  # run → "fc (3 vs 64 units)": aligned, yet unlike
+    unread: list[str] = field(default_factory=list)  # runs given that hold no reading: nothing compared
 
     @classmethod
     def of(cls, partings, unaligned, from_start, widths) -> Diff:
@@ -298,7 +299,7 @@ def as_text(d: Diff, runs: list[str], top: int = 8) -> str:
 def as_json(d: Diff) -> str:
     return json.dumps({"partings": [asdict(p) for p in d.partings], "first": {r: asdict(p) for r, p in d.first.items()},
                        "from_start": [asdict(p) for p in d.from_start], "unaligned": d.unaligned,
-                       "widths": d.widths}, indent=2) + "\n"
+                       "widths": d.widths, "unread": d.unread}, indent=2) + "\n"
 
 
 def as_csv(d: Diff) -> str:

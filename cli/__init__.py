@@ -203,10 +203,13 @@ def cmd_diff(args) -> int:
     progress(f"comparing {len(runs)} run(s) with {', '.join(baselines)}")
     read = [r for r in runs if r not in empty]
     d = a.compared(baselines, read, persist=args.persist, sigmas=args.sigmas, metrics=args.metrics)
-    unread = "".join(f"{shown(r)}: holds no reading: nothing compared\n" for r in runs if r in empty)
+    d.unread = [r for r in runs if r in empty]
+    unread = "".join(f"{shown(r)}: holds no reading: nothing compared\n" for r in d.unread)
+    if args.format == "csv":  # a table of partings has no row for them: said beside it
+        sys.stderr.write(unread)
     emit({"text": lambda: unread + (as_text(d, read) if read else ""), "json": lambda: as_json(d),
           "csv": lambda: as_csv(d)}[args.format](), args, f"{len(d.partings)} parting(s)")
-    return 1 if d.partings or unread else 0
+    return 1 if d.partings or d.unread else 0
 
 
 def cmd_sweep(args) -> int:

@@ -127,6 +127,11 @@ def test_a_run_killed_before_its_first_flush_or_closed_empty_fails_the_gate_amon
     said = cli("diff", runs / "healthy.parquet", runs / "empty.parquet", runs / "killed.parquet.parts")
     assert said.returncode == 1 and said.stdout == ("empty: holds no reading: nothing compared\n"
                                                     "killed: holds no reading: nothing compared\n"), said.stdout
+    listed = cli("diff", runs / "healthy.parquet", runs / "empty.parquet", "--format", "json")
+    assert listed.returncode == 1 and json.loads(listed.stdout)["unread"] == ["empty"], listed.stdout
+    table = cli("diff", runs / "healthy.parquet", runs / "empty.parquet", "--format", "csv")
+    assert table.returncode == 1 and "empty: holds no reading: nothing compared" in table.stderr, table.stderr
+
 
 def test_a_monitor_that_never_read_a_gradient_says_so_and_the_gate_fails_it(tmp_path, cli):
     res, out = train(tmp_path, "no-step")
