@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import actrace
+from actrace.format import metadata
 from actrace.files.reader import TraceError, read_source
 from actrace.files.validate import validate
 
@@ -295,3 +297,16 @@ def test_what_a_reader_would_refuse_is_refused_when_recorded_and_the_rest_kept(t
         w.record_activation(1, "fc", h, kind="relu")
         w.record_activation(2, "c", h, kind="clip", bounds=(0, 6))
     assert validate(path) == [] and actrace.read_table(path)["step"].to_pylist() == [0, 1, 2]
+
+
+def test_a_config_holding_nan_or_inf_is_written_as_strict_json(tmp_path):
+    """JSON has no number for NaN or ±Inf: a config holding them (a float, a numpy float, nested in
+    a list) keeps each as its string, so a strict parser (jq, a browser, DuckDB) reads the trace's
+    config, and the finite values stay numbers."""
+    path = tmp_path / "t.parquet"
+    config = {"lr": 1e-3, "clip": float("inf"), "decay": np.float64("nan"), "betas": [0.9, float("-inf")]}
+    with actrace.Writer(path, config=config) as w:
+        w.record_activation(0, "fc", np.ones((2, 3), np.float32), kind="relu")
+    text = metadata.read(path)["config"]
+    strict = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON: {text}"))
+    assert strict == {"lr": 1e-3, "clip": "inf", "decay": "nan", "betas": [0.9, "-inf"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import platform
 import socket
 import uuid
@@ -37,11 +38,23 @@ def make(*, run: str, framework: str, framework_version: str | None, adapter: st
         "adapter": adapter, "adapter_version": __version__,
         "host": f"{getpass.getuser()}@{socket.gethostname()} ({platform.platform()})",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": json.dumps(config or {}, sort_keys=True, default=str),
+        "config": json.dumps(finite(config or {}), sort_keys=True, default=str, allow_nan=False),
         "probe_fingerprint": probe_fingerprint or "", "probe_size": str(probe_size or ""), "mode": mode or "",
         "status": "running",  # until the writer closes: `complete`, or `failed: TYPE`
         **({"aliases": json.dumps(aliases, sort_keys=True)} if aliases else {}),
     }
+
+
+def finite(value):
+    """`value` with each non-finite float as its string ("nan", "inf"): JSON has no number for them,
+    and a strict parser (jq, a browser, DuckDB) refuses Python's `NaN`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float(value))
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def encode(meta: dict[str, str]) -> dict[str, str]:
