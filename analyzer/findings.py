@@ -482,7 +482,9 @@ def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[b
     if not np.isfinite(now).all():
         return True, "; the loss is no longer finite"
     b, n = np.median(before), np.median(now)
-    return bool(n > b), f"; the loss {'rose' if n > b else 'still falls'}: its median {b:.3g} before, {n:.3g} since"
+    shown = f"its median {b:.3g} before, {n:.3g} since"
+    moved = "rose" if n > b else "still falls" if f"{n:.3g}" != f"{b:.3g}" else "held level"  # as the medians read
+    return bool(n > b), f"; the loss {moved}: {shown}"
 
 
 def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> Finding | None:

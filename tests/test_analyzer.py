@@ -127,6 +127,19 @@ def test_gradients_growing_while_the_loss_rises_explode_and_a_plateau_left_while
     assert [f.rule for f in analysis_of(runs / "plateau.parquet").findings] == []
 
 
+@pytest.mark.parametrize("later, said", [(2.0, "the loss still falls: its median 2.29 before, 2 since"),
+                                         (2.2904, "the loss held level: its median 2.29 before, 2.29 since"),
+                                         (2.5, "the loss rose: its median 2.29 before, 2.5 since")])
+def test_the_loss_is_said_to_move_as_its_medians_read(later, said):
+    """The evidence never contradicts its numbers: a loss whose medians print alike (2.2906 → 2.2904)
+    held level, it does not "still fall"."""
+    from actrace.analyzer.findings import _loss_rose
+
+    loss = pl.DataFrame({"step": list(range(20)), "value": [2.2906] * 10 + [later] * 10})
+    rose, evidence = _loss_rose(loss, 0, 10, 19)
+    assert rose == (later > 2.2906) and evidence == f"; {said}"
+
+
 def test_without_a_logged_loss_growth_must_be_larger_and_is_only_a_warning(runs, tmp_path):
     write_run(tmp_path / "e.parquet", "e", steps=range(0, 2000, 100),
               grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
