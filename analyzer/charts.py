@@ -83,15 +83,17 @@ def layer_heatmaps(df: pl.DataFrame, metrics: list[tuple[str, str, str, str]], r
     height = min(max(12 * n_layers, 160), 1800)
     charts = []
     drawn_metrics = [m for m in metrics if m[0] in df.columns and not df[m[0]].is_null().all()]
-    width = 260 if len(drawn_metrics) <= 3 else 180  # four panels and their legends fit a page's width
+    width = 260 if len(drawn_metrics) <= 3 else 220  # four panels fit a page's width, each legend above its panel
     for column, title, colour, why in drawn_metrics:
         log = column in LOG_COLUMNS
         data = _plottable(df, column)
         scale = alt.Scale(type="log", scheme="blues") if log else alt.Scale(domain=[0, 1], range=["#f7f7f7", colour])
+        legend = alt.Legend(orient="top", direction="horizontal", title=None, gradientLength=width - 20,
+                            format=".0e" if log else ".0%")
         rects = alt.Chart().mark_rect().encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=_layer_axis(n_layers, order),
-            color=alt.Color(f"{column}:Q", title=title, scale=scale),
+            color=alt.Color(f"{column}:Q", title=title, scale=scale, legend=legend),
             tooltip=["layer:N", "step:Q", alt.Tooltip(f"{column}:Q", format=".3g"), *TOOLTIPS.get(column, [])],
         ).transform_filter(alt.datum.run == run).transform_filter(_drawable(column))
         drawn = set(data["run"])
