@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from actrace.format.recurrent import describe
-from actrace.format.schema import ACTIVATION_KINDS, KIND_BOUNDS, STREAMS, sat_margin
+from actrace.format.schema import ACTIVATION_KINDS, KIND_BOUNDS, SCALAR_INDEX, STREAMS, sat_margin
 
 from .metrics import Thresholds
 from .trends import held_since, onset, recent, series_bounds, stable_since, theil_sen
@@ -211,8 +211,9 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
 
 
 def _dead(run, layer, g, r: Rules) -> Finding | None:
-    """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope); else
-    dead_high: many units dead, stable since the step it reached that level."""
+    """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope), by
+    `dead_growth`, or by half that where it ends above `max_dead` (many units dead and still dying,
+    however slowly); else dead_high: many units dead, near that level since the step it reached it."""
     steps, dead = g["step"], g["dead_fraction"]
     known = ~np.isnan(dead)
     if not known.any() or not known[-1]:
@@ -221,15 +222,17 @@ def _dead(run, layer, g, r: Rules) -> Finding | None:
     i = recent(s)
     rise = theil_sen(s[i:], d[i:]) * (s[-1] - s[i])
     index = int(g["layer_index"][0])
-    if rise >= r.dead_growth and d[-1] - d[i] >= r.dead_growth / 2:
+    need = r.dead_growth / 2 if d[-1] > r.max_dead else r.dead_growth
+    if rise >= need and d[-1] - d[i] >= need / 2:
         start = onset(s, d)
         return _finding("critical", "dead_growing", run, layer, s[start],
                         f"dead fraction rose from {d[start]:.0%} at step {s[start]} to {d[-1]:.0%} at step {s[-1]}, "
                         f"{rise:+.0%} over the last {len(s) - i} readings (since step {s[i]})",
-                        score=1 + rise, value=rise, threshold=r.dead_growth, first=s[i], last=s[-1], index=index)
+                        score=1 + rise, value=rise, threshold=need, first=s[i], last=s[-1], index=index)
     if d[-1] > r.max_dead:
         since = stable_since(s, d, r.dead_growth / 2)
-        trend = f"stable since step {since}" if since < s[-1] else "not rising steadily of late"
+        trend = f"within {r.dead_growth / 2:.0%} of that since step {since}" if since < s[-1] else \
+            "not rising steadily of late"
         return _finding("warning", "dead_high", run, layer, since,
                         f"{d[-1]:.0%} of units dead at step {s[-1]}, {trend}", score=d[-1], value=d[-1],
                         threshold=r.max_dead, first=since, last=s[-1], index=index)
@@ -471,8 +474,10 @@ def _solving(loss: pl.DataFrame, since: int, last: int) -> bool:
 
 
 def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool, str] | None:
-    """Whether the logged loss over steps [mid, hi] is above its median over [lo, mid) (a NaN or Inf
-    loss has risen), with the evidence; None where no loss was logged in either span."""
+    """Whether the logged loss's median over steps [mid, hi] is above its median over [lo, mid) by
+    more than the values before spread about theirs (their median absolute deviation: a minibatch
+    loss's noise is no rise; a NaN or Inf loss has risen), with the evidence; None where no loss was
+    logged in either span."""
     if loss is None:
         return None
     steps, values = loss["step"].to_numpy(), loss["value"].to_numpy()
@@ -482,9 +487,14 @@ def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[b
     if not np.isfinite(now).all():
         return True, "; the loss is no longer finite"
     b, n = np.median(before), np.median(now)
+    spread = np.median(np.abs(before - b)) if np.isfinite(before).all() else 0.0
     shown = f"its median {b:.3g} before, {n:.3g} since"
-    moved = "rose" if n > b else "still falls" if f"{n:.3g}" != f"{b:.3g}" else "held level"  # as the medians read
-    return bool(n > b), f"; the loss {moved}: {shown}"
+    if n > b + spread:
+        return True, f"; the loss rose: {shown}"
+    if n < b - spread and f"{n:.3g}" != f"{b:.3g}":  # as the medians read
+        return False, f"; the loss still falls: {shown}"
+    return False, f"; the loss held level: {shown}" + (f", within the spread of its values before (±{spread:.2g})"
+                                                      if spread else "")
 
 
 def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> Finding | None:
@@ -532,8 +542,9 @@ def _runaway_updates(run, p: pl.DataFrame, loss: pl.DataFrame | None, r: Rules) 
     """The layers' median update ratio (‖Δw‖ / ‖w‖ since the previous parameter reading) at a reading
     is `update_growth`× its median over the earlier readings (three at least): the updates run away
     from their own history, as under a learning rate that keeps rising. Critical when the loss over
-    that span is above the loss before it, else a warning (a falling loss weighs against it)."""
-    per = p.filter(pl.col("update_ratio").is_finite()).sort("step")
+    that span rose (`_loss_rose`), else a warning (a falling loss weighs against it). A frozen layer's
+    0 says nothing of an update's size (unfrozen, it would run away from nothing): left out."""
+    per = p.filter(pl.col("update_ratio").is_finite() & (pl.col("update_ratio") > 0)).sort("step")
     ratio = per.group_by("step", maintain_order=True).agg(pl.col("update_ratio").median())
     steps, u = ratio["step"].to_numpy(), ratio["update_ratio"].to_numpy()
     for i in range(3, len(u)):
@@ -571,21 +582,20 @@ def _gradient_findings(m: pl.DataFrame, r: Rules, scalars: pl.DataFrame | None) 
     return out
 
 
-def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
+GRADIENTS = ("activation_grad", "param_grad")
+
+
+def _integrity_findings(m: pl.DataFrame, scalars: pl.DataFrame | None) -> list[Finding]:
     out = []
     bad = m.filter((pl.col("nan_count") > 0) | (pl.col("inf_count") > 0)).with_columns(
-        pl.col("stream").replace_strict(STREAM_ORDER, default=len(STREAM_ORDER)).alias("_order"))
-    for (run,), g in bad.sort("step", "_order", "layer_index").group_by(["run"], maintain_order=True):
-        first = g.row(0, named=True)
-        grads = g.filter(pl.col("stream").is_in(["activation_grad", "param_grad"]))
-        spread = (f"; gradients non-finite from step {grads['step'][0]} ({grads['stream'][0]} of "
-                  f"{grads['layer'][0]} first)" if grads.height and first["stream"] == "activation" else "")
-        out.append(_finding("critical", "nan_inf", run, first["layer"], first["step"],
-                            f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
-                            f"{first['nan_count']} NaN, {first['inf_count']} Inf){spread}; "
-                            f"{g.height} readings affected", score=g.height, stream=first["stream"],
-                            value=first["nan_count"] + first["inf_count"], threshold=0, first=first["step"],
-                            last=g["step"].max(), index=first["layer_index"]))
+        pl.col("stream").replace_strict(STREAM_ORDER, default=len(STREAM_ORDER)).alias("_order"),
+        pl.when(pl.col("stream").is_in(GRADIENTS)).then(-pl.col("layer_index")).otherwise("layer_index").alias("_at"))
+    bad = bad.sort("step", "_order", "_at")  # within a step: the forward in layer order, the backward from the output
+    losses = scalars.filter((pl.col("name") == "loss") & ~pl.col("value").is_finite() & pl.col("run").is_in(
+        m["run"].unique().implode())) if scalars is not None else None
+    for run in sorted(set(bad["run"]) | set(() if losses is None else losses["run"])):
+        loss = None if losses is None else losses.filter(pl.col("run") == run)
+        out.append(_nan_inf(run, bad.filter(pl.col("run") == run), loss))
     acts = m.select("run", "layer", "layer_index", "stream", "step", "probe_fingerprint", "mode").filter(
         pl.col("stream") == "activation").sort("run", "step", "layer_index", "layer")
     for (run,), g in acts.group_by(["run"], maintain_order=True):
@@ -601,6 +611,35 @@ def _integrity_findings(m: pl.DataFrame) -> list[Finding]:
                                 f"{train.height} activation readings taken in train mode", value=train.height,
                                 first=train["step"][0], last=train["step"].max()))
     return out
+
+
+def _nan_inf(run, g: pl.DataFrame, loss: pl.DataFrame | None) -> Finding:
+    """nan_inf: where a run's first NaN or Inf appeared: in a step, the forward (activations in layer
+    order), then the loss it logged, then the backward (gradients from the output back); a loss that
+    is no number while no activation is (a log(0) in it) named as the loss ("loss"), even where a
+    guard skipped the step and no reading holds one; then how far it spread."""
+    grads = g.filter(pl.col("stream").is_in(GRADIENTS))
+    first = g.row(0, named=True) if g.height else None
+    lost = loss["step"].min() if loss is not None and loss.height else None
+    spread = (f"; gradients non-finite from step {grads['step'][0]} ({grads['stream'][0]} of {grads['layer'][0]} "
+              "first)") if grads.height else ""
+    if lost is not None and (first is None or lost < first["step"] or (lost == first["step"] and
+                                                                        first["stream"] != "activation")):
+        value = loss.filter(pl.col("step") == lost)["value"][0]
+        return _finding("critical", "nan_inf", run, "loss", lost,
+                        f"first NaN/Inf at step {lost} in the logged loss ({value}), no activation holding one"
+                        f"{spread}; the loss not finite at {loss.height} logged step(s), "
+                        f"{g.height} readings affected", score=g.height + loss.height, stream="scalar",
+                        value=loss.height, threshold=0, first=lost, last=max(loss["step"].max(), g["step"].max() or 0),
+                        index=SCALAR_INDEX)
+    said = f"; the logged loss not finite from step {lost}" if lost is not None else ""
+    return _finding("critical", "nan_inf", run, first["layer"], first["step"],
+                    f"first NaN/Inf at step {first['step']} in {first['layer']} ({first['stream']}: "
+                    f"{first['nan_count']} NaN, {first['inf_count']} Inf)"
+                    f"{spread if first['stream'] == 'activation' else ''}{said}; "
+                    f"{g.height} readings affected", score=g.height, stream=first["stream"],
+                    value=first["nan_count"] + first["inf_count"], threshold=0, first=first["step"],
+                    last=g["step"].max(), index=first["layer_index"])
 
 
 def _skipped_findings(skipped: pl.DataFrame) -> list[Finding]:
@@ -657,7 +696,8 @@ def _metric_findings(m: pl.DataFrame, rules: Rules, th: Thresholds, scalars: pl.
     found = _skipped_findings(m.filter(skipped))
     if found:  # else the table as it is: a filter copies every column
         m = m.filter(~skipped)
-    return found + _integrity_findings(m) + _activation_findings(m, rules, th) + _gradient_findings(m, rules, scalars)
+    return found + _integrity_findings(m, scalars) + _activation_findings(m, rules, th) + \
+        _gradient_findings(m, rules, scalars)
 
 
 FINDING_COLUMNS = ["severity", "rule", "run", "layer", "layer_index", "stream", "step", "first_step", "last_step",

@@ -64,7 +64,9 @@ def _healthy() -> list[Case]:
               # a few units dead from initialization: ordinary attrition, not a pathology
               Case("mlp-relu-few-dead", "mlp", "adam", 1e-3, model=dict(act="relu", dead_at_init=3)),
               Case("mlp-relu-few-dead-sgd", "mlp", "sgdm", 0.05, model=dict(act="relu", dead_at_init=2), seed=3),
-              Case("mlp-relu-clip", "mlp", "sgdm", 0.1, clip=1.0, seed=4)]
+              Case("mlp-relu-clip", "mlp", "sgdm", 0.1, clip=1.0, seed=4),
+              # a linear probe, then fine-tuning: the body frozen (no update at all) until step K
+              Case("mlp-relu-lpft", "mlp", "adam", 1e-3, inject=("freeze", K, dict(keep="head")), seed=6)]
     cases += [Case("cnn-bn-sgdm", "cnn", "sgdm", 0.05), Case("cnn-bn-adam", "cnn", "adam", 1e-3),
               Case("cnn-bn-adamw-cosine", "cnn", "adamw", 3e-3, "warmup-cosine"),
               Case("cnn-bn-sgdm-clip", "cnn", "sgdm", 0.1, clip=1.0, seed=1)]
@@ -89,6 +91,9 @@ PATHOLOGICAL = [
     Case("kill-bert-ffn", "bert", "adamw", 2e-3, inject=("bias", K, dict(
         module="bert.encoder.layer.1.intermediate.dense", value=-1e4, units=40)),
          rules=("dead_growing", "dead_high"), layers=("*layer.1.intermediate*",), at=K),
+    # one unit of fc2 killed every 10 steps from step 60: a layer dying slowly, never by much at once
+    Case("dying-slow-relu2", "mlp", inject=("drip", 60, dict(module="fc2", value=-100.0, every=10)),
+         rules=("dead_growing",), layers=("relu2",), at=60, window=True),
     Case("dying-relu-lr", "mlp", inject=("lr", K, dict(module="fc2", factor=300.0)),
          rules=("dead_growing", "dead_high"), layers=("relu2", "relu3"), at=K),
     Case("saturate-tanh2", "mlp", model=dict(act="tanh"), inject=("bias", K, dict(module="fc2", value=6.0, add=True)),
@@ -109,6 +114,9 @@ PATHOLOGICAL = [
          rules=("exploding_gradients", "nan_inf"), at=K, window=True),
     Case("nan-planted-fc2", "mlp", inject=("nan", K + 7, dict(module="fc2")), rules=("nan_inf",), layers=("fc2",),
          at=K + 7),
+    # the loss goes NaN (a log(0) in it) at one step: every gradient with it, no activation
+    Case("nan-loss-mlp", "mlp", inject=("loss", K + 5, dict(value=math.nan)), rules=("nan_inf",), layers=("loss",),
+         at=K + 5),
     Case("inf-planted-cnn", "cnn", "sgdm", 0.05, inject=("nan", K + 3, dict(module="conv2", value=math.inf)),
          rules=("nan_inf",), layers=("conv2",), at=K + 3),
     Case("nan-planted-gpt2", "gpt2", "adamw", 2e-3, inject=("nan", K + 11, dict(module="transformer.h.1.mlp.c_fc")),
@@ -262,14 +270,22 @@ def _schedule(case: Case, step: int) -> float:
 
 
 def _inject(torch, case: Case, step: int, model, opt, base_lrs) -> None:
-    """Apply the case's pathology at its step (and, for a ramp, every step after)."""
+    """Apply the case's pathology at its step (a ramp, a growth and a drip every step after; a freeze from
+    the start until then; a loss made NaN: in `train`)."""
     if not case.inject:
         return
     what, at, o = case.inject
-    if step < at or (step > at and what not in ("ramp", "grow")):
+    if what == "freeze":  # every module but `keep` frozen from the start until `at`
+        if step in (0, at):
+            for name, p in model.named_parameters():
+                p.requires_grad_(step == at or name.startswith(o["keep"] + "."))
+        return
+    if step < at or (step > at and what not in ("ramp", "grow", "drip")) or (what == "drip" and (step - at) % o["every"]):
         return
     with torch.no_grad():
-        if what == "bias":
+        if what == "drip":  # the next unit of the module, every `every` steps
+            model.get_submodule(o["module"]).bias[(step - at) // o["every"]] = o["value"]
+        elif what == "bias":
             module = model.get_submodule(o["module"])
             bias = getattr(module, "bias", None) if "gate" not in o else module.bias_ih_l0
             rows = slice(0, o.get("units")) if "gate" not in o else \
@@ -319,6 +335,8 @@ def train(case: Case, out: Path) -> Path:
                 x, y = batch(BATCH)
                 model.train()
                 loss = loss_of(torch, case, model, x, y)
+                if case.inject and case.inject[0] == "loss" and step == case.inject[1]:
+                    loss = loss * case.inject[2]["value"]
                 opt.zero_grad()
                 loss.backward()
                 mon.step(step)

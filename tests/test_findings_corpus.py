@@ -1,7 +1,8 @@
 """A slice of the labelled corpus of bench/bench_findings.py, trained and scored as the bench does:
 healthy runs that really train give no finding (a net leaving its initial plateau is not
-exploding; BERT's tiny query/key gradients at initialization are not vanishing), and each injected
-pathology is found by its rule at its layer and step."""
+exploding, nor a body unfrozen after a linear probe; BERT's tiny query/key gradients at
+initialization are not vanishing), and each injected pathology is found by its rule at its layer
+and step (a layer dying one unit at a time; a loss made NaN, named as the loss)."""
 from __future__ import annotations
 
 import sys
@@ -14,9 +15,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_findings import build, score  # noqa: E402
 from findings_corpus import CASES  # noqa: E402
 
-HEALTHY = ["mlp-plateau-gelu", "mlp-plateau-tanh", "mlp-relu-few-dead", "bert-adam", "llama-adamw-clip"]
-SICK = ["kill-relu2", "saturate-tanh2", "vanishing-deep-sigmoid", "exploding-unnormalized-mlp", "nan-planted-fc2",
-        "lstm-forget-pinned"]
+HEALTHY = ["mlp-plateau-gelu", "mlp-plateau-tanh", "mlp-relu-few-dead", "mlp-relu-lpft", "bert-adam", "llama-adamw-clip"]
+SICK = ["kill-relu2", "dying-slow-relu2", "saturate-tanh2", "vanishing-deep-sigmoid", "exploding-unnormalized-mlp",
+        "nan-planted-fc2", "nan-loss-mlp", "lstm-forget-pinned"]
 
 
 @pytest.fixture(scope="module")

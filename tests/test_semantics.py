@@ -167,7 +167,19 @@ def test_an_early_rise_that_stopped_is_a_stable_tax_and_a_climbing_layer_is_grow
     assert ("dead_growing", "climbing") in rules
     assert rules.index(("dead_growing", "climbing")) < rules.index(("dead_high", "early"))  # trend beats level
     early = next(f for f in found if f.run == "early")
-    assert early.step == 200 and "stable since step 200" in early.evidence
+    assert early.step == 200 and f"within {growth / 2:.0%} of that since step 200" in early.evidence
+
+
+def test_a_layer_dying_slowly_while_many_of_its_units_are_dead_is_still_growing(tmp_path):
+    """A unit killed every few steps (+16 points over the recent half) is not a stable tax: above
+    `max_dead`, half the rise `dead_growth` asks of a layer with few dead units is dying; the same
+    slow rise below it is attrition."""
+    steps = list(range(0, 1100, 100))
+    write_dead_series(tmp_path / "slow.parquet", "slow", [0, .05, .05, .1, .1, .15, .15, .2, .25, .25, .3], steps)
+    write_dead_series(tmp_path / "few.parquet", "few", [0, 0, 0, 0, .05, .05, .05, .1, .1, .15, .15], steps)
+    found = {f.run: f for f in findings(metrics(tmp_path))}
+    assert found["slow"].rule == "dead_growing" and "to 30% at step 1000" in found["slow"].evidence
+    assert "few" not in found
 
 
 def test_float64_extremes_below_float32_are_rounded_outward_not_to_zero(tmp_path):
