@@ -2,8 +2,9 @@
 
 For each aligned layer and metric the *gap* is the run's value minus the baseline's (the median of
 its seeds, when several are given), on the metric's scale. The run *parts* at the first reading
-where the gap moves away from what it was at every reading before by more than the *band* and stays
-away for `persist` readings (or to the end, two at least): the largest of a floor that no metric
+where the gap moves away from what it was at every reading before by more than the *band*, wider
+(a gap that narrows is two runs coming together) and outside the band, and stays so for `persist`
+readings (or to the end, two at least); the band is the largest of a floor that no metric
 resolves below (10 points of a share, a factor of 2 for a norm or a spread), `sigmas` times the
 step-to-step noise of the baseline and of the gap, and 1.5 times the spread of the seeds. Two
 seeds of one config start apart (another initialization) and stay so; a run whose learning rate is
@@ -39,6 +40,9 @@ METRICS = {
 }
 # compared unless asked otherwise: a layer's mean depends on its initialization, so seeds differ in it
 DEFAULT_METRICS = ("dead_fraction", "saturation_value", "std", "grad_norm", "update_ratio")
+# a 0 on a log scale (a gradient that stopped, a layer frozen or collapsed): far below any norm a model
+# makes, so a metric gone to 0 parts (and is said as 0), where log10 would leave it out
+LOG_ZERO = -30.0
 # a Parting's metric where a run holds NaN or Inf the baseline does not: compared always (no band: a NaN
 # is no noise, and every metric of the reading is unknown from there)
 NON_FINITE = "non_finite"
@@ -121,7 +125,7 @@ def _values(df: pl.DataFrame, metric: str) -> pl.DataFrame:
     stream, scale, _, _ = METRICS[metric]
     v = pl.col(metric)
     if scale == "log":
-        v = pl.when(v.abs() > 0).then(v.abs().log10())
+        v = pl.when(v.abs() > 0).then(v.abs().log10()).when(v == 0).then(LOG_ZERO)  # (NaN stays: left out)
     return df.lazy().filter((pl.col("stream") == stream) & pl.col(metric).is_not_null()).select(  # lazy: the
         "run", "aligned", "layer", "layer_index", "stream", "x", "step", v.alias("v"), "std"  # columns read alone
     ).filter(pl.col("v").is_finite()).collect()
@@ -190,7 +194,7 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
             gap = gaps[lo:hi]
             h = np.maximum.reduce([floors[lo:hi], np.full(hi - lo, sigmas * noises[lo]), spread[lo:hi]])
             apart = abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]  # medians
-            found = _parting(gap, h, persist, apart)
+            found = _parting(gap, h, persist)
             if found is not None:
                 partings.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, *found))
             if apart:
@@ -216,14 +220,14 @@ def _non_finite(aligned: pl.DataFrame, baselines: list[str], runs: list[str]) ->
     return out
 
 
-def _parting(gap: np.ndarray, h: np.ndarray, persist: int, apart: bool = False) -> tuple[int, float] | None:
+def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
     """(index, the gap before) of the first reading from which the gap is more than `h` away from
     its median over every reading before, for `persist` readings in a row (to the end, two at
-    least); None where it never moves so. Candidates are the readings at least half a band from the
-    mean before (one pass over all), and the median decides (the prefixes' medians made once). Runs
-    `apart` from the first readings part only by moving further apart (or across, further on the
-    other side): a gap that narrows (the baseline drifting towards where the run was all along) is
-    no parting of the run."""
+    least), and is then outside the band and wider than that median (further apart, or across and
+    further on the other side): a gap that narrows (two seeds alike after their first readings; the
+    baseline drifting towards where a run apart from the start was all along) is no parting. None
+    where it never moves so. Candidates are the readings at least half a band from the mean before
+    (one pass over all), and the median decides (the prefixes' medians made once)."""
     n = len(gap)
     mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
     candidates = (np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1).tolist()
@@ -232,8 +236,8 @@ def _parting(gap: np.ndarray, h: np.ndarray, persist: int, apart: bool = False) 
     gaps, bands, before = gap.tolist(), h.tolist(), _medians_before(gap[: candidates[-1]])
     for i in candidates:
         ahead = range(i, min(i + persist, n))
-        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] and not (
-                apart and abs(gaps[j]) <= abs(before[i])) for j in ahead):
+        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] and abs(gaps[j]) > max(
+                bands[j], abs(before[i])) for j in ahead):
             return i, before[i]
     return None
 
@@ -253,7 +257,7 @@ def _said(baselines, metric, j: pl.DataFrame, gap, h, i: int, before: float) -> 
     moved away from."""
     run, key = j["run"][0], j["aligned"][0]
     scale = METRICS[metric][1]
-    to_value = (lambda z: 10 ** z) if scale == "log" else (lambda z: z)
+    to_value = (lambda z: 10 ** z if z > LOG_ZERO else 0.0) if scale == "log" else (lambda z: z)
     away = np.abs(gap[i:] - before) > h[i:]
     moved = np.abs(gap[i:] - before)[away] / h[i:][away]
     return Parting(run, ",".join(baselines), key, j["layer"][i], int(j["layer_index"][i]), j["stream"][i], metric,

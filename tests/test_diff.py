@@ -159,3 +159,31 @@ def test_a_run_apart_from_the_start_parts_only_by_moving_further_apart(tmp_path,
         said = cli("diff", tmp_path / "base.parquet", tmp_path / f"{run}.parquet")
         assert said.returncode == 1 and said.stdout.startswith(f"{run} parts from base at step 100 in fc: std "), \
             said.stdout
+
+
+def test_runs_alike_after_their_first_reading_do_not_part_and_a_gradient_gone_to_zero_does(tmp_path, cli):
+    """Truth by construction: "near" is the baseline but for its first reading (its spread 2.5× the
+    baseline's there); its gap narrows to 0 and stays, which is two runs coming together, no
+    parting. "stopped" is the baseline whose fc gradients are exactly 0 from step 100 (a layer cut
+    off): a gradient norm of 0 has no logarithm, yet it parts there, said as 0."""
+    import numpy as np
+
+    import actrace
+
+    def write(name, first=1.0, stop=None):
+        with actrace.Writer(tmp_path / f"{name}.parquet") as w:
+            for i, step in enumerate(range(0, 200, 10)):
+                rng = np.random.default_rng(step)
+                std = 0.05 * (1 + i) * (first if step == 0 else 1.0)
+                w.record_activation(step, "fc", (rng.normal(size=(128, 32)) * std).astype(np.float32), kind="linear")
+                grad = rng.normal(size=(32, 32)) * 1e-2 * (0.0 if stop is not None and step >= stop else 1.0)
+                w.record_param_grad(step, "fc", "weight", grad, kind="linear")
+    write("base")
+    write("near", first=2.5)
+    write("stopped", stop=100)
+    near = cli("diff", tmp_path / "base.parquet", tmp_path / "near.parquet")
+    assert near.returncode == 0 and near.stdout.startswith("near: no parting from the baseline"), near.stdout
+    stopped = cli("diff", tmp_path / "base.parquet", tmp_path / "stopped.parquet")
+    assert stopped.returncode == 1 and stopped.stdout.startswith(
+        "stopped parts from base at step 100 in fc: gradient norm "), stopped.stdout
+    assert " → 0, outside the baseline's band" in stopped.stdout.splitlines()[0]
