@@ -57,11 +57,12 @@ def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits
             if not rows.filter(pl.col("run") == run).height:
                 out.append(Violation(option, run, "-", option, -1, f"no {stream} reading with a {what} to check "
                                      f"--{option.replace('_', '-')} against", None, limit))
-        bad = rows.filter(pl.col(column) > limit if sign > 0 else pl.col(column) < limit)
+        beyond = pl.col(column) > limit if sign > 0 else pl.col(column) < limit
+        bad = rows.filter(beyond | pl.col(column).is_nan())  # NaN is neither above nor below: it fails both
         for r in bad.sort("run", "layer_index").iter_rows(named=True):
-            out.append(Violation(option, r["run"], r["layer"], option, r["step"],
-                                 f"{what} {r[column]:.3g} at step {r['step']} {'exceeds' if sign > 0 else 'is below'} "
-                                 f"{limit:g}", r[column], limit))
+            said = f"{what} is NaN at step {r['step']}, not {'≤' if sign > 0 else '≥'} {limit:g}" if r[column] != r[
+                column] else f"{what} {r[column]:.3g} at step {r['step']} {'exceeds' if sign > 0 else 'is below'} {limit:g}"
+            out.append(Violation(option, r["run"], r["layer"], option, r["step"], said, r[column], limit))
     for f in found:
         gated = fail_on != "never" and SEVERITY_RANK[f.severity] <= SEVERITY_RANK[fail_on] and f.rule not in allow
         if gated or (no_nan and f.rule == "nan_inf"):

@@ -213,9 +213,13 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
 def _dead(run, layer, g, r: Rules) -> Finding | None:
     """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope), by
     `dead_growth`, or by half that where it ends above `max_dead` (many units dead and still dying,
-    however slowly); else dead_high: many units dead, near that level since the step it reached it."""
+    however slowly); else dead_high: many units dead, near that level since the step it reached it.
+    A reading holding a NaN or an Inf says nothing of death (its units may hold nothing else: nan_inf's
+    business), nor does a softmax's 0 (a masked or unchosen entry: dead_expert's)."""
     steps, dead = g["step"], g["dead_fraction"]
-    known = ~np.isnan(dead)
+    if g["kind"][0] == "softmax":
+        return None
+    known = ~np.isnan(dead) & (g["nan_count"] + g["inf_count"] == 0)
     if not known.any() or not known[-1]:
         return None
     s, d = steps[known], dead[known]
@@ -285,11 +289,17 @@ def _massive(run, layer, g, r: Rules, index: int) -> Finding | None:
                     first=start, last=steps[-1], index=index)
 
 
+MEAN_KINDS = ("linear", "conv", "norm", "identity")  # unbounded, not rectified: a mean away from 0 is a bias
+
+
 def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Finding]:
     out = []
     names = {}
     for run, layer in m.select("run", "layer").unique().iter_rows():
         names.setdefault(run, set()).add(layer)
+    # each run's output layer: no next layer gets its biased values (a regression's target, a softmax's logits)
+    outputs = dict(m.filter((pl.col("stream") == "activation") & pl.col("kind").is_in(MEAN_KINDS)).group_by(
+        "run").agg(pl.col("layer_index").max()).iter_rows())
     for run, layer, g in _per_layer(m, "activation"):
         what = describe(layer, names[run])
         if what and what[1].startswith("final"):
@@ -327,7 +337,7 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
                                 f"below {r.collapse_ratio:.0%} of its first reading since step {start}",
                                 score=std[0] / max(std[-1], 1e-30), value=std[-1] / std[0], threshold=r.collapse_ratio,
                                 first=steps[0], last=steps[-1], index=index))
-        if g["kind"][0] in ("linear", "conv", "norm", "identity") and len(mean) and std[-1] > 0 \
+        if g["kind"][0] in MEAN_KINDS and index != outputs.get(run) and len(mean) and std[-1] > 0 \
                 and abs(mean[-1]) > r.mean_drift_sigmas * std[-1]:
             start = steps[np.argmax(np.abs(mean) > r.mean_drift_sigmas * std)]
             out.append(_finding("warning", "mean_drift", run, layer, start,

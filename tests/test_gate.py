@@ -10,6 +10,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 
 import actrace
@@ -247,3 +248,19 @@ def test_ctrl_c_inside_a_traced_forward_stays_a_ctrl_c(tmp_path):
         done = subprocess.run([sys.executable, tmp_path / "interrupted.py"], capture_output=True, text=True,
                               timeout=HUNG)
         assert done.stdout.strip() == "interrupted", done.stderr[-2000:]
+
+
+def test_a_nan_gradient_norm_fails_a_minimum_and_a_maximum_alike(tmp_path, cli):
+    """NaN is neither above nor below a limit: layer b's gradients NaN at the last step fail
+    --min-grad-norm as they fail --max-grad-norm (a NaN compared as below passed it); layer a's pass."""
+    path = tmp_path / "t.parquet"
+    rng = np.random.default_rng(0)
+    with actrace.Writer(path) as w:
+        for step in range(3):
+            for layer in ("a", "b"):
+                g = rng.normal(size=(8, 8)) * (np.nan if layer == "b" and step == 2 else 1.0)
+                w.record_param_grad(step, layer, "weight", g, kind="linear")
+    for option, limit, bound in (("--min-grad-norm", "1e-6", "≥"), ("--max-grad-norm", "1e6", "≤")):
+        gate = cli("check", path, "--fail-on", "never", option, limit)
+        assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [
+            f"t / b: gradient norm is NaN at step 2, not {bound} {float(limit):g}"], gate.stdout

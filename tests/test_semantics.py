@@ -310,3 +310,40 @@ def test_the_monitor_reads_the_end_of_a_short_run_and_says_when_no_gradient_came
     probe_steps = sorted({r["step"] for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()
                           if r["stream"] == "activation"})
     assert probe_steps == [0, 149]  # the first and, whatever probe_every says, the last
+
+
+def test_a_reading_of_nan_and_zeros_or_a_softmax_s_zeros_are_not_dead_units(tmp_path):
+    """A ReLU layer whose values are NaN but for exact zeros (padding) holds no number to call a unit
+    dead by: nan_inf names it, dead_high does not; a router softmax whose first 2 of 8 experts get
+    exactly 0 (masked) has no dead units either (an expert nobody picks is dead_expert's), while a
+    ReLU layer with 2 of 8 units zero for every input is 25 % dead."""
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        for step in range(0, 60, 10):
+            h = np.abs(rng.normal(size=(32, 8))).astype(np.float32)
+            if step >= 30:
+                h[:, :] = np.nan
+                h[::2, :] = 0  # the padding positions' zeros
+            w.record_activation(step, "emb", h, kind="relu")
+            p = rng.random(size=(32, 8))
+            p[:, :2] = 0
+            w.record_activation(step, "router", (p / p.sum(1, keepdims=True)).astype(np.float32), kind="softmax")
+            k = np.abs(rng.normal(size=(32, 8))).astype(np.float32)
+            k[:, :2] = 0
+            w.record_activation(step, "relu", k, kind="relu")
+    found = [(f.rule, f.layer) for f in findings(metrics(tmp_path))]
+    assert ("nan_inf", "emb") in found and ("dead_high", "relu") in found, found
+    assert not [f for f in found if f[0].startswith("dead") and f[1] != "relu"], found
+
+
+def test_mean_drift_is_said_of_a_layer_whose_biased_values_feed_another_not_of_the_output(tmp_path):
+    """By construction, fc1 and the output layer both hold values at mean 5, std 1: fc1 feeds the next
+    layer biased inputs (mean_drift); the output (a regression's target near 5, a softmax's logits)
+    feeds none."""
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        for step in range(0, 40, 10):
+            for layer, kind in (("fc1", "linear"), ("relu1", "relu"), ("out", "linear")):
+                h = rng.normal(5.0, 1.0, size=(64, 8)) if kind == "linear" else np.abs(rng.normal(size=(64, 8)))
+                w.record_activation(step, layer, h.astype(np.float32), kind=kind)
+    assert [(f.rule, f.layer) for f in findings(metrics(tmp_path)) if f.rule == "mean_drift"] == [("mean_drift", "fc1")]
