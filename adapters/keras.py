@@ -10,8 +10,9 @@ is `linear` or `conv`. Units follow the layer's data format: channels last (NHWC
 the last axis, channels first on axis 1. Reductions are the core's. Gradients: on the torch
 backend each trainable variable's `.grad` after the step (layer-level readings, as the PyTorch
 adapter takes them); the JAX and TensorFlow backends do not keep gradients, which is said once.
-What `fit` logs after each batch (`loss`, metrics: Keras's running means over the epoch) and the
-optimizer's learning rate are recorded as scalars. Steps count training batches from 0.
+What `fit` logs after each batch and the optimizer's learning rate are recorded as scalars: the
+`loss` as that batch's own (Keras logs its running mean over the epoch; its loss tracker's total and
+count give the batch's), metrics as Keras logs them (running means). Steps count training batches from 0.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class TraceCallback(keras.callbacks.Callback):
         self.recorder = FitRecorder(self.model, self.probe, **self.options)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.recorder.batch_end(self.model, logs)  # `self.model` syncs a JAX trainer's state into the variables
+        self.recorder.batch_end(self.model, batch, logs)  # `self.model` syncs a JAX trainer's state into the variables
 
     def on_train_end(self, logs=None):
         if self.recorder is not None:
@@ -89,6 +90,7 @@ class FitRecorder(Recorder):
 
     def __init__(self, model, probe, out=None, *, include=None, exclude=None, histogram: bool = True, **options):
         self.model, self.probe, self.histogram, self._warned = model, probe, histogram, False
+        self._tracked, self._warned_loss = {}, False  # the loss tracker's (total, count) after the last batch
         self.include, self.exclude = patterns(include), patterns(exclude)
         self.layers = [layer for layer in model.layers if layer_kind(layer) and self.wanted(layer.name)]
         try:
@@ -105,9 +107,12 @@ class FitRecorder(Recorder):
         for layer in self.layers:  # layer_index: forward order
             self.order(layer.name)
 
-    def batch_end(self, model, logs) -> None:
-        """Readings when due after a training batch, and what `fit` logged after it."""
+    def batch_end(self, model, batch: int, logs) -> None:
+        """Readings when due after a training batch (the epoch's `batch`-th), and what `fit` logged after it."""
         self.model = model
+        logs = dict(logs or {})
+        if "loss" in logs:
+            logs["loss"] = self._batch_loss(batch)
         step = 0 if self.last_step is None else self.last_step + 1
         if self.grads_due(step):
             self.safely("gradient", self.gradient_reading, step)
@@ -116,7 +121,23 @@ class FitRecorder(Recorder):
         self.last_step = step
         lr = getattr(self.model.optimizer, "learning_rate", None)
         self.log(step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),
-                 **{k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
+                 **{k: v for k, v in logs.items() if np.ndim(v) == 0})
+
+    def _batch_loss(self, batch: int) -> float | None:
+        """The loss of the epoch's `batch`-th batch alone: the change of the loss tracker's total over
+        the change of its count (samples) since the batch before (the tracker restarts each epoch);
+        None, said once, where the model keeps no such tracker or a batch was not seen."""
+        tracker = getattr(self.model, "_loss_tracker", None)
+        if tracker is None:
+            if not self._warned_loss:
+                warnings.warn("actrace: this Keras model keeps no loss tracker: its loss per batch is not recorded "
+                              "(Keras logs a running mean over the epoch)", stacklevel=2)
+                self._warned_loss = True
+            return None
+        total, count = (float(keras.ops.convert_to_numpy(v)) for v in (tracker.total, tracker.count))
+        before = (0.0, 0.0) if batch == 0 else self._tracked.get(batch - 1)
+        self._tracked = {batch: (total, count)}
+        return None if before is None or count <= before[1] else (total - before[0]) / (count - before[1])
 
     def probe_reading(self, step: int) -> int:
         given = self.probe if isinstance(self.probe, (list, tuple, dict)) else [self.probe]  # as model.inputs

@@ -3,10 +3,12 @@ fused activations read as their kind (a softmax head: its gradients' rows carry 
 NHWC units on the last axis, gradients where kept."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -59,3 +61,35 @@ def test_a_keras_cnn_is_read_with_its_fused_activation_and_nhwc_units(tmp_path, 
     else:
         assert grads.height == 0 and "keeps no gradients" in res.stdout
 
+
+
+LOSS_SCRIPT = """
+import json, numpy as np, keras
+from actrace.adapters.keras import TraceCallback
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)  # the weights never move: each batch's loss is known
+rng = np.random.default_rng(0)
+x, y = (rng.normal(size=(56, 6)) * np.arange(1, 57)[:, None] / 10).astype("float32"), rng.integers(0, 3, 56)
+model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+          callbacks=[TraceCallback(probe=x[:8], out=OUT, probe_every=100, run="keras")])
+print("TRUTH:" + json.dumps([float(keras.ops.convert_to_numpy(loss(y[i:i + 16], model(x[i:i + 16]))))
+                             for i in range(0, 56, 16)]))
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_the_loss_recorded_is_each_batch_s_own_not_keras_s_running_mean(tmp_path, backend):
+    """With a learning rate of 0 each batch's loss is known by construction (16, 16, 16 then 8
+    samples of growing scale, two epochs): the trace's `loss` at each step is that batch's, the last,
+    partial one included, where Keras logs the epoch's running mean."""
+    out = tmp_path / f"{backend}.parquet"
+    res = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + LOSS_SCRIPT], capture_output=True, text=True,
+                         env=dict(os.environ, KERAS_BACKEND=backend), timeout=HUNG)
+    assert res.returncode == 0, res.stderr[-3000:]
+    truth = json.loads(res.stdout.split("TRUTH:")[1])
+    loss = {r["step"]: r["value"] for r in actrace.read_table(out).to_pylist() if r["layer"] == "loss"}
+    assert sorted(loss) == list(range(8))
+    assert [loss[step] for step in range(8)] == pytest.approx(truth * 2, rel=1e-5)
+    assert abs(loss[3] - truth[3]) < 0.01 * abs(np.mean(truth) - truth[3])  # far from the running mean
