@@ -159,10 +159,20 @@ class Recorder:
             why = "step() was never called" if self.last_step is None else self.no_gradient_hint
             warnings.warn(f"actrace: {self.writer.path}: no gradient was read ({why}); the trace's status says "
                           "incomplete (grad_every=None records probe readings only)", stacklevel=3)
-        return self.writer.close(failed)
+        unreached = self.unreached() if "param_grad" in self.writer.streams else []
+        if unreached:
+            warnings.warn(f"actrace: {self.writer.path}: {len(unreached)} parameter(s) required a gradient and never "
+                          f"got one ({', '.join(unreached[:4])}{' …' if len(unreached) > 4 else ''}): cut off from "
+                          "the loss (a .detach(), torch.no_grad) or unused; the trace says so", stacklevel=3)
+        return self.writer.close(failed, no_gradient=unreached)
 
     def release(self) -> None:
         """What an adapter lets go of at close (hooks), before the trace is written."""
+
+    def unreached(self) -> list[str]:
+        """`LAYER/PARAM` of the parameters that required a gradient and got none at any gradient
+        reading (adapters that can tell)."""
+        return []
 
     def __enter__(self):
         return self

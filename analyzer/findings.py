@@ -11,6 +11,7 @@ raises its gradient norm tenfold while it learns.
 from __future__ import annotations
 
 import fnmatch
+import json
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -123,6 +124,8 @@ ADVICE = {
                  "layer selected?), so nothing about this run can pass a gate",
     "stream_missing": "the monitor never got what it was set to read: call monitor.step(step) after "
                       "loss.backward() and before optimizer.zero_grad()",
+    "gradient_missing": "these layers never learn: find what cuts them off from the loss (a .detach(), a "
+                        "torch.no_grad block, an output left unused), or freeze them on purpose (requires_grad=False)",
     "massive_activation": "a few fixed units carry values far above the rest (outlier features, attention sinks): "
                           "they dominate the layer's norm and break low-precision quantization; watch them against "
                           "the loss, consider QK-norm, weight decay, or an explicit attention sink",
@@ -669,7 +672,8 @@ def status_findings(runs: list[dict]) -> list[Finding]:
     """A run whose trace says it did not finish cleanly (metadata `status`, spec §File metadata): never
     closed (`running`; a `.parts` folder with no part file, too), ended by an exception, stopped by a
     signal, or closed without a stream its producer set out to record; or closed without a reading.
-    Each is critical: a gate must not pass a crashed run, nor one it has nothing to judge by."""
+    Each is critical: a gate must not pass a crashed run, nor one it has nothing to judge by. And
+    (a warning) parameters that required a gradient and never got one (metadata `no_gradient`)."""
     out = []
     for meta in runs:
         status, run, file = meta.get("status", ""), meta.get("run_name"), meta["file"]
@@ -686,6 +690,13 @@ def status_findings(runs: list[dict]) -> list[Finding]:
             out.append(_finding("critical", "stream_missing", run, "-", -1, f"the run closed {status}"))
         elif meta.get("readings") == 0:  # closed cleanly, yet with nothing to judge it by
             out.append(_finding("critical", "run_empty", run, "-", -1, f"{file} holds no reading"))
+        cut = json.loads(meta.get("no_gradient") or "[]")
+        if cut:
+            layers = list(dict.fromkeys(name.rsplit("/", 1)[0] for name in cut))
+            out.append(_finding("warning", "gradient_missing", run, layers[0], -1,
+                                f"{len(cut)} parameter(s) of {len(layers)} layer(s) required a gradient and never got "
+                                f"one: {', '.join(cut[:6])}{' …' if len(cut) > 6 else ''}", score=len(cut),
+                                stream="param_grad", value=len(cut), threshold=0))
     return out
 
 

@@ -145,7 +145,7 @@ def mutate(out: Path, template: Path, name: str, change) -> None:
 def set_meta(key: str, value: str | None):
     def change(t: pa.Table) -> pa.Table:
         meta = dict(t.schema.metadata)
-        meta.pop(f"actrace:{key}".encode())
+        meta.pop(f"actrace:{key}".encode(), None)
         if value is not None:
             meta[f"actrace:{key}".encode()] = value.encode()
         return t.replace_schema_metadata(meta)
@@ -170,6 +170,7 @@ def first_row(fn):
 INVALID = {
     "missing_version": set_meta("spec_version", None),
     "future_major_version": set_meta("spec_version", "2.0"),
+    "no_gradient_not_a_list": set_meta("no_gradient", '{"fc1": "weight"}'),
     "missing_column_units": lambda t: t.drop_columns(["units"]),
     "wrong_list_length": set_column("unit_max", first_row(lambda v: v[:-1])),
     "zero_count_exceeds_finite": set_column("zero_count", first_row(lambda v: 10_000)),

@@ -264,3 +264,52 @@ def test_a_nan_gradient_norm_fails_a_minimum_and_a_maximum_alike(tmp_path, cli):
         gate = cli("check", path, "--fail-on", "never", option, limit)
         assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [
             f"t / b: gradient norm is NaN at step 2, not {bound} {float(limit):g}"], gate.stdout
+
+
+def test_layers_cut_off_from_the_loss_are_named_and_frozen_or_unfrozen_ones_are_not(tmp_path, cli):
+    """Truth by construction: fc1's output is detached before fc2 (a bug: fc1 requires a gradient
+    and never gets one); fc3 is frozen on purpose (requires_grad=False); fc2 is frozen until step 5,
+    then trained (a linear probe, then fine-tuning). Only fc1's two parameters are named: at close,
+    in the trace's `no_gradient` and as a gradient_missing warning that `check --fail-on warning`
+    fails and the default gate lets pass."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from actrace.adapters.torch import Monitor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), \
+                nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.head(self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)).detach()))))
+
+    torch.manual_seed(0)
+    model, out = Net(), tmp_path / "cut.parquet"
+    model.fc3.requires_grad_(False)
+    model.fc2.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with Monitor(model, torch.randn(32, 8), out, probe_every=5) as mon:
+            for step in range(10):
+                model.fc2.requires_grad_(step >= 5)
+                loss = model(torch.randn(16, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                mon.step(step)
+                mon.log(step, loss=loss)
+                opt.step()
+    assert json.loads(metadata.read(out)["no_gradient"]) == ["fc1/weight", "fc1/bias"]
+    assert [str(w.message) for w in said if "never got one" in str(w.message)] == [
+        f"actrace: {out}: 2 parameter(s) required a gradient and never got one (fc1/weight, fc1/bias): cut off from "
+        "the loss (a .detach(), torch.no_grad) or unused; the trace says so"]
+    gate = cli("check", out, "--fail-on", "warning")
+    assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [
+        "cut / fc1: warning finding gradient_missing: 2 parameter(s) of 1 layer(s) required a gradient and never got "
+        "one: fc1/weight, fc1/bias"], gate.stdout
+    assert cli("check", out).returncode == 0

@@ -72,6 +72,7 @@ VALID = sorted(p.name for p in EXAMPLES.glob("valid-*") if not p.name.endswith("
 INVALID_FAULTS = {
     "missing_version": "spec_version",
     "future_major_version": "version 2.0 is not supported",
+    "no_gradient_not_a_list": "'actrace:no_gradient' is not a JSON list of names",
     "missing_column_units": "column 'units': required column is missing",
     "wrong_list_length": "row 0 column 'unit_max'",
     "zero_count_exceeds_finite": "row 0 column 'zero_count'",

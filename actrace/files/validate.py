@@ -215,7 +215,7 @@ def _depth(text: str) -> int:
 
 def metadata_problems(meta: dict[str, str], path) -> list[Problem]:
     """spec §File metadata: the REQUIRED keys, a known status, a config that is a JSON object, aliases
-    that are one of names, names within the rule for names."""
+    that are one of names, no_gradient a list of them, names within the rule for names."""
     out = [Problem(str(path), f"REQUIRED metadata key 'actrace:{key}' is missing or empty")
            for key in ("run_name", "run_id") if not meta.get(key)]
     for key in ("run_name", "run_id"):
@@ -241,6 +241,13 @@ def metadata_problems(meta: dict[str, str], path) -> list[Problem]:
             aliases = None
         if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
             out.append(Problem(str(path), "metadata 'actrace:aliases' is not a JSON object of names"))
+    if meta.get("no_gradient"):
+        try:
+            cut = json.loads(meta["no_gradient"]) if _depth(meta["no_gradient"]) <= 1 else None
+        except ValueError:
+            cut = None
+        if not isinstance(cut, list) or not all(isinstance(v, str) and v for v in cut):
+            out.append(Problem(str(path), "metadata 'actrace:no_gradient' is not a JSON list of names"))
     return out
 
 

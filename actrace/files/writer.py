@@ -505,15 +505,18 @@ class Writer:
         self._unlock()
         return True
 
-    def close(self, failed: BaseException | None = None, *, at_exit: bool = False) -> Path:
+    def close(self, failed: BaseException | None = None, *, at_exit: bool = False, no_gradient=()) -> Path:
         """Flush, compact the part files into the trace atomically, remove the parts. The trace's
         `status` says `complete`; `failed: TYPE` when the run ended with exception `failed`,
         `interrupted` (Ctrl-C) or `terminated` (SIGTERM); `incomplete: no STREAM reading` when a
-        stream it was told to `expect` got none."""
+        stream it was told to `expect` got none. `no_gradient`: the `LAYER/PARAM` names of parameters
+        that required a gradient and never got one (spec §File metadata)."""
         if self.closed:
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
         self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
+        if no_gradient:
+            self.meta["no_gradient"] = json.dumps(list(no_gradient))
         if self._n_parts == 0 and self._rows and self._write_whole():
             return self.path
         flushed = self.flush()

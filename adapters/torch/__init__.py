@@ -178,6 +178,9 @@ class Monitor(Recorder):
     def release(self) -> None:
         self.grads.remove()
 
+    def unreached(self) -> list[str]:
+        return self.grads.unreached()
+
 
 class TrainerCallbackBase:
     """What a trainer's callback holds until training starts (the probe, where to write, the

@@ -33,6 +33,8 @@ class Gradients:
         self._tensors = [p for *_, p in self.params]  # whose gradients each step reads (`_present`)
         self._present_key, self._present_metas = None, self._metas
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
+        # parameters that required a gradient and lacked one at a reading, those that had one at any (`unreached`)
+        self._lacking, self._reached, self._all_reached = set(), set(), False
         self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
                          if p not in flat.of and p.requires_grad]  # FSDP1's: its unit's flat gradient arrives
@@ -74,12 +76,21 @@ class Gradients:
         grads = self.flat.grads(self._tensors)
         if any(g is None for g in grads):
             key = tuple(i for i, g in enumerate(grads) if g is not None)
+            self._lacking.update(i for i, g in enumerate(grads) if g is None and self._tensors[i].requires_grad)
+            self._reached.update(key)
             grads = [g for g in grads if g is not None]
         else:
-            key = None  # all
+            key, self._all_reached = None, True  # all
         if key != self._present_key:
             self._present_key, self._present_metas = key, self._metas if key is None else [self._metas[i] for i in key]
         return grads, self._present_metas
+
+    def unreached(self) -> list[str]:
+        """`LAYER/PARAM` of each parameter that required a gradient at a reading and got one at none:
+        cut off from the loss (a `.detach()`, `torch.no_grad`) or unused; a frozen one is not asked."""
+        if self._all_reached:
+            return []
+        return [f"{self.params[i][0]}/{self.params[i][2]}" for i in sorted(self._lacking - self._reached)]
 
     def _start(self, module, inputs):
         if torch.is_grad_enabled() and self.due():
