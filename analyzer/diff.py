@@ -163,7 +163,8 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
     base = [pair for b in baselines for pair in keys.get(b, [])]
     for run in runs:  # by their own names: the baseline's layers the run lacks, then the run's the baseline lacks
         own = keys.get(run, [])
-        unaligned[run] = _lacking(base, own) + _lacking(own, base)
+        # a name on both sides whose kinds are unlike: named once
+        unaligned[run] = list(dict.fromkeys(_lacking(base, own) + _lacking(own, base)))
     units = aligned.filter(pl.col("stream") == "activation").group_by("run", "aligned").agg(
         pl.col("layer").first(), pl.col("units").max())
     both = units.filter(pl.col("run").is_in(runs)).join(

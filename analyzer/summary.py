@@ -6,7 +6,7 @@ import polars as pl
 from actrace.format.schema import shown
 
 from .diff import Diff, as_text
-from .findings import Finding, findings_frame, group
+from .findings import DORMANT_KINDS, Finding, findings_frame, group
 from .metrics import METRIC_COLUMNS, last_reading
 
 
@@ -48,7 +48,7 @@ def layer_table(m: pl.DataFrame) -> str:
     header = f"  {'layer':<{width}} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'dorm':>6} {'sparse':>7} " \
              f"{'sat.v':>6} {'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
     legend = ("  dead: share of units zero for every probe input; dorm: share of live units barely firing (RMS at "
-              "most --dormant-tau times the layer's mean unit RMS); sparse: share of values exactly 0 (not death); "
+              "most --dormant-tau times the layer's mean unit RMS; activation functions only); sparse: share of values exactly 0 (not death); "
               "sat.v / sat.u: saturated share of values / of units pinned for every input; grad: last parameter "
               "gradient norm; nan: the reading held a NaN or Inf; - : does not apply (saturation: bounded kinds only)")
     lines = []
@@ -57,7 +57,8 @@ def layer_table(m: pl.DataFrame) -> str:
         for r in g.iter_rows(named=True):
             lines.append(
                 f"  {shown(r['layer']):<{width}} {(r['kind'] or '-'):<10} {_fmt(r['units']):>6} {_fmt(r['step']):>7} "
-                f"{_fmt(r['dead_fraction'], True):>6} {_fmt(r['dormant_fraction'], True):>6} "
+                f"{_fmt(r['dead_fraction'], True):>6} "
+                f"{_fmt(r['dormant_fraction'] if r['kind'] in DORMANT_KINDS else None, True):>6} "
                 f"{_fmt(r['sparsity'], True):>7} "
                 f"{_fmt(r['saturation_value'], True):>6} {_fmt(r['saturation_unit'], True):>6} "
                 f"{_fmt(r['mean']):>9} {_fmt(r['std']):>9} {_fmt(r['grad_norm']):>9}")

@@ -28,6 +28,22 @@ def test_summary_prints_findings_and_a_per_layer_table(cli, runs):
     assert "against the baseline run healthy (actrace diff: differences outside its band only)" in res.stdout
 
 
+def test_the_summary_shows_dormancy_of_activation_functions_only(cli, tmp_path):
+    """By construction, a linear layer and a ReLU each with 3 of 8 units at 1/100 of the others: the
+    ReLU's 38 % are dormant units (ReDo's neurons), the linear layer's say nothing and show "-"."""
+    import numpy as np
+
+    import actrace
+
+    h = np.abs(np.random.default_rng(0).normal(size=(64, 8))) * np.array([0.01] * 3 + [1.0] * 5)
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        w.record_activation(0, "fc", h.astype(np.float32), kind="linear")
+        w.record_activation(0, "relu", h.astype(np.float32), kind="relu")
+    rows = {line.split()[0]: line.split() for line in cli("summary", tmp_path / "t.parquet").stdout.splitlines()
+            if line.strip().startswith(("fc ", "relu "))}
+    assert (rows["fc"][5], rows["relu"][5]) == ("-", "38%"), rows
+
+
 def test_summary_csv_and_json_have_the_documented_columns(cli, runs):
     res = cli("summary", runs, "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(res.stdout)))
