@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from actrace.format.recurrent import describe
-from actrace.format.schema import ACTIVATION_KINDS, KIND_BOUNDS, SCALAR_INDEX, STREAMS, sat_margin
+from actrace.format.schema import ACTIVATION_KINDS, DERIVED_KINDS, KIND_BOUNDS, SCALAR_INDEX, STREAMS, sat_margin
 
 from .metrics import Thresholds
 from .trends import held_since, onset, recent, series_bounds, stable_since, theil_sen
@@ -50,6 +50,8 @@ class Rules:
     max_gate_saturation: float = 0.9  # a recurrent gate works as a switch: most values at a bound is normal
     max_saturation_units: float = 0.1  # share of units pinned for every input of the probe
     saturation_spike: float = 0.2    # jump between two consecutive readings, landing above max_saturation
+    saturation_growth: float = 0.2   # rise of the saturated share over the recent readings, ending above the
+    #                                  limit: a hidden layer still being driven into its bounds (trend beats level)
     mean_drift_sigmas: float = 2.0   # |mean| > k·std for unbounded, non-rectified layers
     collapse_ratio: float = 1e-2     # std fell below this share of its first reading
     vanishing: float = 1e-5          # gradient norm of the earliest layers (their median) ...
@@ -109,6 +111,8 @@ ADVICE = {
     "units_pinned": "units stuck at a bound for every input carry no information: lower the LR, re-initialize "
                     "this layer, or normalize its input",
     "saturation_spike": "activations jumped to their bounds: lower the LR around this step",
+    "saturation_growing": "something keeps driving this layer into its bounds, where its gradient vanishes: lower "
+                          "the LR, normalize its input, or re-initialize it",
     "mean_drift": "the next layer gets biased inputs: check normalization and biases",
     "variance_collapse": "all outputs alike (representation collapse): check the loss design, overfitting",
     "vanishing_gradients": "gradients don't reach early layers: residual connections, shallower net, init",
@@ -246,13 +250,28 @@ def _dead(run, layer, g, r: Rules) -> Finding | None:
     return None
 
 
-def _saturation(run, layer, g, r: Rules, what, advice) -> Finding | None:
-    """saturation_spike: the saturated share jumped between two readings to above max_saturation
-    (max_gate_saturation for a recurrent gate); else saturation_high: above it at the last reading."""
+def _saturation(run, layer, g, r: Rules, what, advice, output: bool) -> Finding | None:
+    """saturation_growing: the saturated share rose by `saturation_growth` over the recent readings
+    (a robust rise) to above max_saturation (max_gate_saturation for a recurrent gate), in a hidden
+    layer (a softmax growing confident, the model's output layer, are learning); else
+    saturation_spike: it jumped between two readings to above that limit; else saturation_high:
+    above it at the last reading."""
     steps, sat = g["step"], g["saturation_value"]
     if not len(sat) or np.isnan(sat).all():
         return None
     index, limit = int(g["layer_index"][0]), r.max_gate_saturation if _gate(what) else r.max_saturation
+    known = ~np.isnan(sat)
+    s, v = steps[known], sat[known]
+    i = recent(s)
+    rise = theil_sen(s[i:], v[i:]) * (s[-1] - s[i]) if len(s) >= 3 else 0.0
+    if not output and g["kind"][0] != "softmax" and known[-1] and v[-1] > limit and rise >= r.saturation_growth \
+            and v[-1] - v[i] >= r.saturation_growth / 2:
+        start = onset(s, v)
+        return _finding("critical", "saturation_growing", run, layer, s[start],
+                        (f"{what[1]}: " if what else "") + f"saturated share rose from {v[start]:.0%} at step "
+                        f"{s[start]} to {v[-1]:.0%} at step {s[-1]}, {rise:+.0%} over the last {len(s) - i} readings "
+                        f"(since step {s[i]})", score=1 + rise, value=rise, threshold=r.saturation_growth,
+                        first=s[i], last=s[-1], index=index, advice=advice)
     jumps = np.diff(sat)
     landed = (jumps >= r.saturation_spike) & (sat[1:] > limit)
     if landed.any():
@@ -301,15 +320,18 @@ def _activation_findings(m: pl.DataFrame, r: Rules, th: Thresholds) -> list[Find
     for run, layer in m.select("run", "layer").unique().iter_rows():
         names.setdefault(run, set()).add(layer)
     # each run's output layer: no next layer gets its biased values (a regression's target, a softmax's logits)
-    outputs = dict(m.filter((pl.col("stream") == "activation") & pl.col("kind").is_in(MEAN_KINDS)).group_by(
-        "run").agg(pl.col("layer_index").max()).iter_rows())
+    acts = m.filter((pl.col("stream") == "activation") & ~pl.col("kind").is_in(DERIVED_KINDS))
+    outputs = dict(acts.filter(pl.col("kind").is_in(MEAN_KINDS)).group_by("run").agg(
+        pl.col("layer_index").max()).iter_rows())
+    last = dict(acts.group_by("run").agg(pl.col("layer_index").max()).iter_rows())  # the model's output
     for run, layer, g in _per_layer(m, "activation"):
         what = describe(layer, names[run])
         if what and what[1].startswith("final"):
             continue  # a final state is the last step of its sequence, judged there
         advice = GATE_ADVICE if _gate(what) else None
         index = int(g["layer_index"][0])
-        out += [f for f in (_dead(run, layer, g, r), _saturation(run, layer, g, r, what, advice)) if f]
+        out += [f for f in (_dead(run, layer, g, r), _saturation(run, layer, g, r, what, advice,
+                                                                 index == last.get(run))) if f]
         steps = g["step"]
         pinned = g["saturation_unit"]
         if len(pinned) and pinned[-1] > r.max_saturation_units:

@@ -347,3 +347,24 @@ def test_mean_drift_is_said_of_a_layer_whose_biased_values_feed_another_not_of_t
                 h = rng.normal(5.0, 1.0, size=(64, 8)) if kind == "linear" else np.abs(rng.normal(size=(64, 8)))
                 w.record_activation(step, layer, h.astype(np.float32), kind=kind)
     assert [(f.rule, f.layer) for f in findings(metrics(tmp_path)) if f.rule == "mean_drift"] == [("mean_drift", "fc1")]
+
+
+def test_a_hidden_layer_driven_into_its_bounds_is_growing_saturation_and_a_confident_output_is_not(tmp_path):
+    """By construction, over 11 readings: a hidden tanh layer whose inputs grow ×1.5 per reading (its
+    saturated share climbing past 30 % to ~all) is saturation_growing, critical; the same growth in
+    the model's output sigmoid (a classifier growing confident) and in a softmax is learning: no
+    critical finding; a tanh saturated as much from the first reading is saturation_high, a warning."""
+    rng = np.random.default_rng(0)
+    with actrace.Writer(tmp_path / "t.parquet", run="t") as w:
+        for i, step in enumerate(range(0, 1100, 100)):
+            x = rng.normal(size=(128, 16)) * 0.3 * 1.5 ** i
+            w.record_activation(step, "tanh1", np.tanh(x).astype(np.float32), kind="tanh")
+            w.record_activation(step, "tanh2", np.tanh(x * 0 + rng.normal(size=x.shape) * 30).astype(np.float32),
+                                kind="tanh")
+            e = np.exp(x - x.max(1, keepdims=True))
+            w.record_activation(step, "attn", (e / e.sum(1, keepdims=True)).astype(np.float32), kind="softmax")
+            w.record_activation(step, "out", (1 / (1 + np.exp(-x))).astype(np.float32), kind="sigmoid")
+    found = {(f.rule, f.layer): f.severity for f in findings(metrics(tmp_path))}
+    assert found[("saturation_growing", "tanh1")] == "critical"
+    assert found[("saturation_high", "tanh2")] == "warning"
+    assert [key for key, severity in found.items() if severity == "critical"] == [("saturation_growing", "tanh1")]
