@@ -485,11 +485,14 @@ def _vanishing(run, steps, depth, norm, rms, r: Rules) -> Finding | None:
     names = [depth[i][1] for i in early]
     lates = [depth[i][1] for i in late]
     share = vanished[since:].mean()
+    how = "exactly 0: no learning signal reaches them" if early_norm[-1] == 0 else \
+        f"RMS {decay[-1]:.2g}× smaller towards the input"
     return _finding("critical", "vanishing_gradients", run, names[0], steps[since],
                     f"gradient norm {early_norm[-1]:.2g} in {_layers(names)} vs {late_norm[-1]:.2g} in "
-                    f"{_layers(lates)} at step {steps[-1]} (RMS {decay[-1]:.2g}× smaller towards the input); "
+                    f"{_layers(lates)} at step {steps[-1]} ({how}); "
                     f"so at {share:.0%} of the gradient readings since step {steps[since]}",
-                    score=np.log10(max(decay[-1], 1)), stream="param_grad", value=decay[-1], threshold=r.decay_ratio,
+                    score=np.log10(min(max(decay[-1], 1), 1e30)),  # (a 0 is no infinitely worse finding than others)
+                    stream="param_grad", value=decay[-1], threshold=r.decay_ratio,
                     first=steps[since], last=steps[-1], index=depth[early[0]][0])
 
 
@@ -726,12 +729,18 @@ def findings(m, rules: Rules = Rules(), runs: list[dict] = (), th: Thresholds = 
              scalars: pl.DataFrame | None = None, signals=None) -> list[Finding]:
     """All findings over a metrics frame (computed at thresholds `th`), or over the frames of its runs
     one at a time (every rule over metrics reads one run), the runs' logged scalars (the loss) and
-    their derived readings (`signals`: `analyzer.signals` series and units), most urgent first."""
+    their derived readings (`signals`: `analyzer.signals` series and units), most urgent first: by
+    severity, a NaN first, the runs by their most significant finding, a run's in the order they started."""
     found = [f for frame in ([m] if isinstance(m, pl.DataFrame) else m) for f in _metric_findings(frame, rules, th,
                                                                                                  scalars)]
     found += status_findings(list(runs)) + (_signal_findings(*signals, rules, scalars) if signals is not None else [])
-    # a NaN first: nothing else in a NaN run can be trusted
-    return sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
+    # a NaN first: nothing else in a NaN run can be trusted; then by severity the runs, the worst first (by
+    # their most significant finding), each run's findings in the order they started: a cause before what follows
+    ranked = sorted(found, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", -f.score, f.run, f.layer))
+    place: dict = {}
+    for f in ranked:
+        place.setdefault((f.severity, f.run), len(place))
+    return sorted(ranked, key=lambda f: (SEVERITY_RANK[f.severity], f.rule != "nan_inf", place[f.severity, f.run], f.step))
 
 
 def _metric_findings(m: pl.DataFrame, rules: Rules, th: Thresholds, scalars: pl.DataFrame | None) -> list[Finding]:

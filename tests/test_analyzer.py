@@ -145,6 +145,22 @@ def test_the_loss_is_said_to_move_as_its_medians_read(before, later, said):
     assert rose == said.startswith("the loss rose") and evidence == f"; {said}"
 
 
+def test_a_run_s_findings_come_in_the_order_they_started_a_cause_before_what_follows(tmp_path):
+    """By construction: units of block2 die from step 500 (dead_growing), then gradients explode
+    from step 1000 as the loss rises (exploding_gradients, the larger score). The run's findings
+    read in the order they started; a second, healthier run's come after the worse run's."""
+    long = range(0, 2000, 100)
+    write_run(tmp_path / "a.parquet", "a", steps=long, dead=lambda s: max(0, s - 500) // 60,
+              grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10),
+              loss=lambda s: 2.0 - s / 2000 if s < 1000 else 1.5 + (s - 1000) / 200)
+    write_run(tmp_path / "b.parquet", "b", steps=long, dead=lambda s: max(0, s - 200) // 60)
+    found = [(f.run, f.rule, f.step) for f in findings(metrics(tmp_path), scalars=analysis_of(tmp_path).scalars)
+             if f.severity == "critical"]
+    assert [(run, rule) for run, rule, _ in found] == [("a", "dead_growing"), ("a", "exploding_gradients"),
+                                                      ("b", "dead_growing")], found
+    assert found[0][2] < found[1][2]
+
+
 def test_without_a_logged_loss_growth_must_be_larger_and_is_only_a_warning(runs, tmp_path):
     write_run(tmp_path / "e.parquet", "e", steps=range(0, 2000, 100),
               grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
