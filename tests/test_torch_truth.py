@@ -242,6 +242,39 @@ def test_a_transposed_conv1d_keeps_its_channels_and_every_chunk_agrees(tmp_path)
     assert got["1.conv"]["unit_axis"] == 1  # no state carried from one layer to the next
 
 
+def test_a_norm_after_a_scatter_takes_its_units_from_its_gain(tmp_path):
+    """An MoE-style block sums its experts' outputs into zeros by index (`index_add_`: the unit axis is
+    lost, as in transformers' MixtralExperts), then an RMS norm written as Hugging Face writes it
+    scales by its gain, 4 of whose 32 entries are 0 by construction: the norm is read with its 32
+    units on the last axis (a per-unit parameter names them) and exactly 4/32 dead."""
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+            with torch.no_grad():
+                self.weight[:4] = 0
+
+        def forward(self, x):
+            h = x.float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.norm = nn.Linear(32, 32), RMSNorm()
+
+        def forward(self, x):
+            flat = x.reshape(-1, 32)
+            out = torch.zeros_like(flat).index_add_(0, torch.arange(len(flat)), self.experts(flat))
+            return self.norm(x + out.reshape(x.shape))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = record(Block(), torch.randn(4, 6, 32), tmp_path / "t.parquet")
+    norm = rows(path)["norm"]
+    assert (norm["kind"], norm["units"], norm["unit_axis"]) == ("norm", 32, 2) and dead(path, "norm") == [4 / 32]
+
+
 def test_an_axis_that_cannot_be_followed_is_one_unit_and_said_once(tmp_path):
     class Heads(nn.Module):
         def __init__(self):

@@ -239,7 +239,7 @@ class Axes:
         if not seen:
             return None  # nothing known flowed in: the output stays unknown, not lost
         if rule == "keep":
-            return self.set(out, _broadcast(seen, out))
+            return self.set(out, _broadcast(seen, out, args))
         x, axis = seen[0]
         if axis is LOST:
             return self.set(out, LOST)
@@ -337,14 +337,20 @@ def _einsum_parts(args) -> tuple[list[str], str, list] | None:
     return ins.split(","), out, ops
 
 
-def _broadcast(seen, out) -> int | None:
+def _broadcast(seen, out, args=()) -> int | None:
     """Elementwise: every known input, aligned from the right, must agree on the output's axis;
     an input whose axis was lost may join only where it is broadcast along that axis (a
-    per-position statistic such as an RMS norm's, reduced over the units with keepdim)."""
+    per-position statistic such as an RMS norm's, reduced over the units with keepdim). Where every
+    input's axis was lost, a parameter that varies along one axis of the output alone (a norm's
+    gain, a bias: one number per unit) names the units."""
     ref = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(ref, torch.Tensor):
         return LOST
     axes = {ref.ndim - (x.ndim - axis) for x, axis in seen if axis is not LOST}
+    if not axes:
+        axes = {ref.ndim - p.ndim + i for p in args if isinstance(p, torch.nn.Parameter) and 0 < p.ndim <= ref.ndim
+                and sum(n > 1 for n in p.shape) == 1 for i, n in enumerate(p.shape) if n > 1}
+        return axes.pop() if len(axes) == 1 else LOST
     if len(axes) != 1:
         return LOST
     axis = axes.pop()
