@@ -897,3 +897,41 @@ def test_fused_gpu_kernels_that_fail_are_said_once_and_torch_kernels_read_instea
     table = actrace.read_table(tmp_path / "f.parquet").to_pylist()
     grads = {(r["step"], r["param"] + r["layer"]): r["sumsq"] for r in table if r["stream"] == "param_grad"}
     assert grads == {(step, name): pytest.approx(v, rel=1e-6) for step, seen in enumerate(norms) for name, v in seen.items()}
+
+
+def test_an_index_beside_a_module_s_output_is_not_read_nor_warned_of_and_a_lone_integer_output_is(tmp_path):
+    """A router returns (logits, top-k values, top-k indices), as Hugging Face's MoE gates do: the
+    float parts are read, the int64 indices are no activation (no reading, no warning); a module
+    whose only output is an integer tensor is said once as not read."""
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, x):
+            logits = x @ self.weight.T
+            values, indices = torch.topk(logits.softmax(-1), 2, dim=-1)
+            return logits, values, indices
+
+    class Bucket(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.edges = nn.Parameter(torch.linspace(-1, 1, 5))
+
+        def forward(self, x):
+            return torch.bucketize(x, self.edges.detach())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.bucket = Router(), Bucket()
+
+        def forward(self, x):
+            return self.router(x)[1].sum() + self.bucket(x).sum()
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        path = record(Net(), torch.randn(16, 8), tmp_path / "t.parquet")
+    assert {"router.0", "router.1"} <= set(rows(path)) and "router.2" not in rows(path)
+    skipped = [str(w.message) for w in said if "skipping" in str(w.message)]
+    assert skipped == ["actrace: skipping bucket: non-float output (torch.int64)"], skipped

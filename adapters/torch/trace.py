@@ -644,6 +644,8 @@ class ForwardTrace(TorchFunctionMode):
             return
         main = type(frame.module) in OPAQUE and isinstance(output, tuple)  # (output, state) or (output, weights)
         for suffix, t in output_tensors(output):
+            if suffix and not t.is_floating_point():
+                continue  # an index or a mask beside the output (a router's top-k experts): no activation to read
             name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
