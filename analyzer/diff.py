@@ -4,7 +4,8 @@ For each aligned layer and metric the *gap* is the run's value minus the baselin
 its seeds, when several are given), on the metric's scale. The run *parts* at the first reading
 where the gap moves away from what it was at every reading before by more than the *band*, wider
 (a gap that narrows is two runs coming together) and outside the band, and stays so for `persist`
-readings (or to the end, two at least); the band is the largest of a floor that no metric
+readings (or to the end, two at least; a stream read more often than the probe, at half its
+readings over the span of `persist` probe readings too); the band is the largest of a floor that no metric
 resolves below (10 points of a share, a factor of 2 for a norm or a spread), `sigmas` times the
 step-to-step noise of the baseline and of the gap, and 1.5 times the spread of the seeds. Two
 seeds of one config start apart (another initialization) and stay so; a run whose learning rate is
@@ -173,6 +174,8 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
     widths = {run: [f"{layer} ({n} vs {b} units)" for _, layer, n, b in g.select("run", "layer", "units", "base").rows()]
               for (run,), g in both.group_by(["run"], maintain_order=True)}
     partings += _non_finite(aligned, baselines, runs)
+    spans = dict(aligned.filter(pl.col("stream") == "activation").select("run", "step").unique().sort(
+        "run", "step").group_by("run").agg(pl.col("step").diff().median()).iter_rows())  # between probe readings
     for metric in metrics:
         _, scale, floor, _ = METRICS[metric]
         vals = _values(aligned, metric)
@@ -189,13 +192,14 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
         gaps = (joined["v"] - joined["c"]).to_numpy()
         floors = floor * joined["a_std"].fill_null(0).to_numpy() if scale == "sigma" else np.full(len(gaps), floor)
         spread, noises = 1.5 * joined["spread"].to_numpy(), joined["noise"].to_numpy()
+        steps = joined["step"].to_numpy()
         for lo, hi in zip(*series_bounds(joined, "run", "aligned")):
             if hi - lo < 2:
                 continue
             gap = gaps[lo:hi]
             h = np.maximum.reduce([floors[lo:hi], np.full(hi - lo, sigmas * noises[lo]), spread[lo:hi]])
             apart = abs(np.sort(gap[:3])[min(hi - lo, 3) // 2]) > np.sort(h[:3])[min(hi - lo, 3) // 2]  # medians
-            found = _parting(gap, h, persist)
+            found = _parting(gap, h, persist, _window(persist, spans.get(joined["run"][int(lo)]), steps[lo:hi]))
             if found is not None:
                 partings.append(_said(baselines, metric, joined.slice(lo, hi - lo), gap, h, *found))
             if apart:
@@ -221,26 +225,38 @@ def _non_finite(aligned: pl.DataFrame, baselines: list[str], runs: list[str]) ->
     return out
 
 
-def _parting(gap: np.ndarray, h: np.ndarray, persist: int) -> tuple[int, float] | None:
+def _parting(gap: np.ndarray, h: np.ndarray, persist: int, window: int = 0) -> tuple[int, float] | None:
     """(index, the gap before) of the first reading from which the gap is more than `h` away from
     its median over every reading before, for `persist` readings in a row (to the end, two at
-    least), and is then outside the band and wider than that median (further apart, or across and
-    further on the other side): a gap that narrows (two seeds alike after their first readings; the
-    baseline drifting towards where a run apart from the start was all along) is no parting. None
-    where it never moves so. Candidates are the readings at least half a band from the mean before
-    (one pass over all), and the median decides (the prefixes' medians made once)."""
+    least) and for half the readings of the `window` from there at least (a dense series: a blip
+    is no parting), and is then outside the band and wider than that median (further apart, or
+    across and further on the other side): a gap that narrows (two seeds alike after their first
+    readings; the baseline drifting towards where a run apart from the start was all along) is no
+    parting. None where it never moves so. Candidates are the readings at least half a band from
+    the mean before (one pass over all), and the median decides (the prefixes' medians made once)."""
     n = len(gap)
     mean_before = np.cumsum(gap)[:-1] / np.arange(1, n)
     candidates = (np.flatnonzero(np.abs(gap[1:] - mean_before) > h[1:] / 2) + 1).tolist()
     if not candidates:
         return None
     gaps, bands, before = gap.tolist(), h.tolist(), _medians_before(gap[: candidates[-1]])
+
+    def away(j: int, i: int) -> bool:
+        return abs(gaps[j] - before[i]) > bands[j] and abs(gaps[j]) > max(bands[j], abs(before[i]))
     for i in candidates:
         ahead = range(i, min(i + persist, n))
-        if len(ahead) >= min(persist, 2) and all(abs(gaps[j] - before[i]) > bands[j] and abs(gaps[j]) > max(
-                bands[j], abs(before[i])) for j in ahead):
-            return i, before[i]
+        if len(ahead) >= min(persist, 2) and all(away(j, i) for j in ahead):
+            span = range(i, min(i + window, n))
+            if 2 * sum(away(j, i) for j in span) >= len(span):
+                return i, before[i]
     return None
+
+
+def _window(persist: int, span, steps: np.ndarray) -> int:
+    """The readings of a series that `persist` probe readings `span` (steps between them) cover: a
+    series read more often than the probe (a gradient every step) must part over that long."""
+    gap = float(np.median(np.diff(steps)))
+    return math.ceil(persist * span / gap) if span and gap > 0 else persist
 
 
 def _medians_before(v: np.ndarray) -> list[float]:

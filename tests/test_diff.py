@@ -187,3 +187,28 @@ def test_runs_alike_after_their_first_reading_do_not_part_and_a_gradient_gone_to
     assert stopped.returncode == 1 and stopped.stdout.startswith(
         "stopped parts from base at step 100 in fc: gradient norm "), stopped.stdout
     assert " → 0, outside the baseline's band" in stopped.stdout.splitlines()[0]
+
+
+def test_a_gradient_blip_of_a_few_steps_is_no_parting_and_a_lasting_shift_is(tmp_path, cli):
+    """Gradients read every step, the probe every 10: "blip" is the baseline but for its gradients ×4
+    at steps 55-57 (three readings in a row: a per-step gradient's noise between seeds), "shift" has
+    them ×4 from step 100 on. Only the shift parts, at step 100."""
+    import numpy as np
+
+    import actrace
+
+    def write(name, scale=lambda step: 1.0):
+        with actrace.Writer(tmp_path / f"{name}.parquet") as w:
+            for step in range(200):
+                rng = np.random.default_rng(step)
+                if step % 10 == 0:
+                    w.record_activation(step, "fc", rng.normal(size=(64, 16)).astype(np.float32), kind="linear")
+                w.record_param_grad(step, "fc", "weight", rng.normal(size=(16, 16)) * 1e-2 * scale(step), kind="linear")
+    write("base")
+    write("blip", lambda step: 4.0 if 55 <= step <= 57 else 1.0)
+    write("shift", lambda step: 4.0 if step >= 100 else 1.0)
+    blip = cli("diff", tmp_path / "base.parquet", tmp_path / "blip.parquet")
+    assert blip.returncode == 0 and blip.stdout.startswith("blip: no parting"), blip.stdout
+    shift = cli("diff", tmp_path / "base.parquet", tmp_path / "shift.parquet")
+    assert shift.returncode == 1 and shift.stdout.startswith("shift parts from base at step 100 in fc: gradient norm"), \
+        shift.stdout
