@@ -491,7 +491,7 @@ def _vanishing(run, steps, depth, norm, rms, r: Rules) -> Finding | None:
                     f"gradient norm {early_norm[-1]:.2g} in {_layers(names)} vs {late_norm[-1]:.2g} in "
                     f"{_layers(lates)} at step {steps[-1]} ({how}); "
                     f"so at {share:.0%} of the gradient readings since step {steps[since]}",
-                    score=np.log10(min(max(decay[-1], 1), 1e30)),  # (a 0 is no infinitely worse finding than others)
+                    score=np.log10(np.clip(np.nan_to_num(decay[-1], nan=1.0), 1, 1e30)),  # (a 0: no infinite score)
                     stream="param_grad", value=decay[-1], threshold=r.decay_ratio,
                     first=steps[since], last=steps[-1], index=depth[early[0]][0])
 
@@ -511,11 +511,11 @@ def _solving(loss: pl.DataFrame, since: int, last: int) -> bool:
     return bool(np.median(now) < np.median(before) / 2)
 
 
-def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool, str] | None:
+def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool | None, str] | None:
     """Whether the logged loss's median over steps [mid, hi] is above its median over [lo, mid) by
     more than the values before spread about theirs (their median absolute deviation: a minibatch
-    loss's noise is no rise; a NaN or Inf loss has risen), with the evidence; None where no loss was
-    logged in either span."""
+    loss's noise is no rise; a NaN or Inf loss has risen): True; False where it fell by as much;
+    None where it held level; with the evidence. None where no loss was logged in either span."""
     if loss is None:
         return None
     steps, values = loss["step"].to_numpy(), loss["value"].to_numpy()
@@ -531,15 +531,16 @@ def _loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[b
         return True, f"; the loss rose: {shown}"
     if n < b - spread and f"{n:.3g}" != f"{b:.3g}":  # as the medians read
         return False, f"; the loss still falls: {shown}"
-    return False, f"; the loss held level: {shown}" + (f", within the spread of its values before (±{spread:.2g})"
+    return None, f"; the loss held level: {shown}" + (f", within the spread of its values before (±{spread:.2g})"
                                                       if spread else "")
 
 
 def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> Finding | None:
     """The total gradient norm grew `exploding_growth`× above its median before a window of
     `exploding_window` readings at each of the window's last three, is above `exploding`, still
-    rising, and the loss over the window is above the loss over the window before (it stopped
-    falling). Without a logged loss the growth must be squared, and the finding is a warning."""
+    rising, and the loss over the window rose above the loss over the window before (`_loss_rose`).
+    Where the loss held level, or none was logged, the growth must be squared, and the finding is a
+    warning; where the loss falls, none (a net learning faster)."""
     total = np.sqrt(np.sum(norm ** 2, 1))
     w = r.exploding_window
     if len(total) < w + 5:
@@ -554,10 +555,11 @@ def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> 
         base = np.median(history[np.isfinite(history)])
         growth = window[-3:].min() / max(base, 1e-30)
         rose = _loss_rose(loss, steps[max(0, i - 2 * w + 1)], steps[i - w + 1], steps[i])
-        need = r.exploding_growth if rose is not None else r.exploding_growth ** 2
+        risen = rose is not None and rose[0] is True
+        need = r.exploding_growth if risen else r.exploding_growth ** 2
         if growth < need or theil_sen(steps[i - w + 1: i + 1], np.log10(np.maximum(window, 1e-30))) <= 0:
             continue
-        if rose is not None and not rose[0]:
+        if rose is not None and rose[0] is False:
             continue  # the loss keeps falling: a net learning faster, not diverging
         said = rose[1] if rose is not None else "; no loss was logged to read it against"
         start = i - w + 1 + int(np.argmax(window > r.exploding_growth * base))
@@ -566,7 +568,7 @@ def _exploding(run, steps, depth, norm, loss: pl.DataFrame | None, r: Rules) -> 
             ratios = norm[i] / np.maximum(np.nanmedian(norm[: i - w + 1], 0), 1e-30)
         worst = int(np.nanargmax(ratios))
         others = [depth[j][1] for j in np.argsort(-ratios) if j != worst and ratios[j] >= r.exploding_growth][:5]
-        return _finding("critical" if rose is not None else "warning", "exploding_gradients", run,
+        return _finding("critical" if risen else "warning", "exploding_gradients", run,
                         depth[worst][1], steps[start],
                         f"total gradient norm {window[-1]:.3g} at step {steps[i]}, {growth:.3g}× its median of "
                         f"{base:.3g} before step {steps[i - w + 1]} and still rising{said}; grew most in "
@@ -595,7 +597,7 @@ def _runaway_updates(run, p: pl.DataFrame, loss: pl.DataFrame | None, r: Rules) 
             ["update_ratio", "layer"], descending=[True, False])
         worst = layers.row(0, named=True)
         said = rose[1] if rose is not None else ""
-        return _finding("critical" if rose is not None and rose[0] else "warning", "exploding_gradients", run,
+        return _finding("critical" if rose is not None and rose[0] is True else "warning", "exploding_gradients", run,
                         worst["layer"], steps[i],
                         f"updates ran away from their history: median update ratio {u[i]:.3g} at step {steps[i]}, "
                         f"{u[i] / base:.3g}× its median of {base:.3g} over the {i} readings before (largest in "
@@ -665,7 +667,7 @@ def _nan_inf(run, g: pl.DataFrame, loss: pl.DataFrame | None) -> Finding:
                                                                         first["stream"] != "activation")):
         value = loss.filter(pl.col("step") == lost)["value"][0]
         return _finding("critical", "nan_inf", run, "loss", lost,
-                        f"first NaN/Inf at step {lost} in the logged loss ({value}), no activation holding one"
+                        f"first NaN/Inf at step {lost} in the logged loss ({value}), no activation read holding one"
                         f"{spread}; the loss not finite at {loss.height} logged step(s), "
                         f"{g.height} readings affected", score=g.height + loss.height, stream="scalar",
                         value=loss.height, threshold=0, first=lost, last=max(loss["step"].max(), g["step"].max() or 0),
@@ -778,8 +780,8 @@ class FindingGroup:
 
 
 def group(found: list[Finding]) -> list[FindingGroup]:
-    """One group per (rule, run), in the order of each group's most urgent finding, so a pathology
-    that hits 30 layers reads as one line, not 30."""
+    """One group per (rule, run), in the order of each group's first finding (as `findings` orders
+    them), so a pathology that hits 30 layers reads as one line, not 30."""
     groups: dict[tuple[str, str], FindingGroup] = {}
     for f in found:
         key = (f.rule, f.run)

@@ -142,7 +142,18 @@ def test_the_loss_is_said_to_move_as_its_medians_read(before, later, said):
 
     values = (before * 10)[:10] + [later] * 10
     rose, evidence = _loss_rose(pl.DataFrame({"step": list(range(20)), "value": values}), 0, 10, 19)
-    assert rose == said.startswith("the loss rose") and evidence == f"; {said}"
+    assert rose == {"rose:": True, "still": False, "held": None}[said.split()[2]] and evidence == f"; {said}"
+
+
+def test_gradients_exploding_while_the_loss_holds_level_are_a_warning_as_without_a_loss(tmp_path):
+    """Gradients ×4 per reading from step 1000; the loss a minibatch's, alternating 1.9/2.1, +0.05 from
+    there (within its spread): neither a rise nor a fall, so the explosion is judged as without a
+    loss (100×, a warning), never dropped as if the loss fell."""
+    kw = dict(steps=range(0, 2000, 50), grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
+    write_run(tmp_path / "level.parquet", "level", loss=lambda s: 2.0 + 0.1 * (-1) ** (s // 50) + 0.05 * (s >= 1000),
+              **kw)
+    (f,) = [f for f in analysis_of(tmp_path / "level.parquet").findings if f.rule == "exploding_gradients"]
+    assert f.severity == "warning" and f.threshold == 100 and "the loss held level" in f.evidence
 
 
 def test_a_run_s_findings_come_in_the_order_they_started_a_cause_before_what_follows(tmp_path):
