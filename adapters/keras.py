@@ -12,7 +12,9 @@ backend each trainable variable's `.grad` after the step (layer-level readings, 
 adapter takes them); the JAX and TensorFlow backends do not keep gradients, which is said once.
 What `fit` logs after each batch and the optimizer's learning rate are recorded as scalars: the
 `loss` as that batch's own (Keras logs its running mean over the epoch; its loss tracker's total and
-count give the batch's), metrics as Keras logs them (running means). Steps count training batches from 0.
+count give the batch's, or the batches' since the last call under `steps_per_execution`; a model
+whose tracker does not count them, a custom `train_step`'s, has its running mean recorded, said
+once), metrics as Keras logs them (running means). Steps count the callback's calls from 0.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class FitRecorder(Recorder):
 
     def __init__(self, model, probe, out=None, *, include=None, exclude=None, histogram: bool = True, **options):
         self.model, self.probe, self.histogram, self._warned = model, probe, histogram, False
-        self._tracked, self._warned_loss = {}, False  # the loss tracker's (total, count) after the last batch
+        self._tracked, self._warned_loss = None, False  # (batch, the loss tracker's total, count) after the last call
         self.include, self.exclude = patterns(include), patterns(exclude)
         self.layers = [layer for layer in model.layers if layer_kind(layer) and self.wanted(layer.name)]
         try:
@@ -112,7 +114,7 @@ class FitRecorder(Recorder):
         self.model = model
         logs = dict(logs or {})
         if "loss" in logs:
-            logs["loss"] = self._batch_loss(batch)
+            logs["loss"] = self._batch_loss(batch, logs["loss"])
         step = 0 if self.last_step is None else self.last_step + 1
         if self.grads_due(step):
             self.safely("gradient", self.gradient_reading, step)
@@ -123,21 +125,24 @@ class FitRecorder(Recorder):
         self.log(step, lr=None if lr is None else keras.ops.convert_to_numpy(lr),
                  **{k: v for k, v in logs.items() if np.ndim(v) == 0})
 
-    def _batch_loss(self, batch: int) -> float | None:
-        """The loss of the epoch's `batch`-th batch alone: the change of the loss tracker's total over
-        the change of its count (samples) since the batch before (the tracker restarts each epoch);
-        None, said once, where the model keeps no such tracker or a batch was not seen."""
+    def _batch_loss(self, batch: int, logged) -> float:
+        """The loss of the epoch's `batch`-th batch alone (of the batches since the last call): the
+        change of the loss tracker's total over the change of its count (samples) since then (the
+        tracker restarts each epoch). Where the tracker does not count them (none, or a custom
+        `train_step` keeping its own), Keras's `logged` running mean, said once."""
         tracker = getattr(self.model, "_loss_tracker", None)
-        if tracker is None:
-            if not self._warned_loss:
-                warnings.warn("actrace: this Keras model keeps no loss tracker: its loss per batch is not recorded "
-                              "(Keras logs a running mean over the epoch)", stacklevel=2)
-                self._warned_loss = True
-            return None
-        total, count = (float(keras.ops.convert_to_numpy(v)) for v in (tracker.total, tracker.count))
-        before = (0.0, 0.0) if batch == 0 else self._tracked.get(batch - 1)
-        self._tracked = {batch: (total, count)}
-        return None if before is None or count <= before[1] else (total - before[0]) / (count - before[1])
+        if tracker is not None:
+            total, count = (float(keras.ops.convert_to_numpy(v)) for v in (tracker.total, tracker.count))
+            last = self._tracked if self._tracked and batch > self._tracked[0] else (-1, 0.0, 0.0)
+            self._tracked = (batch, total, count)
+            if count > last[2]:
+                return (total - last[1]) / (count - last[2])
+        if not self._warned_loss:
+            warnings.warn("actrace: this Keras model's loss tracker does not count its batches (a custom "
+                          "train_step?): its loss is recorded as Keras logs it, the running mean over the epoch, "
+                          "which lags the loss of each batch", stacklevel=3)
+            self._warned_loss = True
+        return logged
 
     def probe_reading(self, step: int) -> int:
         given = self.probe if isinstance(self.probe, (list, tuple, dict)) else [self.probe]  # as model.inputs
