@@ -313,3 +313,40 @@ def test_layers_cut_off_from_the_loss_are_named_and_frozen_or_unfrozen_ones_are_
         "cut / fc1: warning finding gradient_missing: 2 parameter(s) of 1 layer(s) required a gradient and never got "
         "one: fc1/weight, fc1/bias"], gate.stdout
     assert cli("check", out).returncode == 0
+
+
+def test_a_layer_used_only_between_gradient_readings_is_not_named_cut_off(tmp_path):
+    """Two heads used on alternate steps, gradients read every second step (grad_every=2): head b's
+    gradients arrive only between readings, yet it learns; it is not named in `no_gradient`, while
+    head c, never used, is."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from actrace.adapters.torch import Monitor
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.which = nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(4, 2), "a"
+
+        def forward(self, x):
+            return getattr(self, self.which)(x)
+
+    torch.manual_seed(0)
+    model, out = Heads(), tmp_path / "t.parquet"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.b.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitor(model, torch.randn(8, 4), out, grad_every=2, probe_every=2) as mon:
+            for step in range(6):
+                model.which = "a" if step % 2 == 0 else "b"
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                mon.step(step)
+                opt.step()
+    assert not torch.equal(before, model.b.weight)  # b learned
+    assert json.loads(metadata.read(out)["no_gradient"]) == ["c/weight", "c/bias"]

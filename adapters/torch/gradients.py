@@ -33,8 +33,9 @@ class Gradients:
         self._tensors = [p for *_, p in self.params]  # whose gradients each step reads (`_present`)
         self._present_key, self._present_metas = None, self._metas
         self.fresh, self._outputs, self._no_grad, self._tracing = False, [], set(), False
-        # parameters that required a gradient and lacked one at a reading, those that had one at any (`unreached`)
-        self._lacking, self._reached, self._all_reached = set(), set(), False
+        # parameters that required a gradient and lacked one at a reading; ids of those one reached at any
+        # backward (`_arrived`, between readings too: `grad_every`) or reading (`unreached`)
+        self._lacking, self._got, self._reached, self._all_reached = set(), set(), set(), False
         self._backward_scale: float | None = None  # the loss scaler's factor in this backward's gradients
         self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for *_, p in self.params
                          if p not in flat.of and p.requires_grad]  # FSDP1's: its unit's flat gradient arrives
@@ -45,8 +46,9 @@ class Gradients:
             self._handles += [model.register_forward_pre_hook(self._start),
                               model.register_forward_hook(self._stop, always_call=True)]
 
-    def _arrived(self, _tensor) -> None:
+    def _arrived(self, tensor) -> None:
         self.fresh = True
+        self._got.add(id(tensor))
 
     def scale(self) -> float:
         """The factor gradients carry now: the scaler's scale, unless they were unscaled already."""
@@ -86,11 +88,13 @@ class Gradients:
         return grads, self._present_metas
 
     def unreached(self) -> list[str]:
-        """`LAYER/PARAM` of each parameter that required a gradient at a reading and got one at none:
-        cut off from the loss (a `.detach()`, `torch.no_grad`) or unused; a frozen one is not asked."""
+        """`LAYER/PARAM` of each parameter that required a gradient at a reading and got one at no
+        backward: cut off from the loss (a `.detach()`, `torch.no_grad`) or unused; a frozen one is not
+        asked. (FSDP1's parameters get slices of their unit's flat gradient, never none: not named.)"""
         if self._all_reached:
             return []
-        return [f"{self.params[i][0]}/{self.params[i][2]}" for i in sorted(self._lacking - self._reached)]
+        return [f"{self.params[i][0]}/{self.params[i][2]}" for i in sorted(self._lacking - self._reached)
+                if id(self.params[i][3]) not in self._got]
 
     def _start(self, module, inputs):
         if torch.is_grad_enabled() and self.due():
