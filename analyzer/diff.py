@@ -182,8 +182,9 @@ def diff(aligned: pl.DataFrame, baselines: list[str], runs: list[str], *, persis
         a = vals.filter(pl.col("run").is_in(baselines))
         if not a.height:
             continue
+        some = pl.col("v").filter(pl.col("v") > LOG_ZERO)  # a seed gone to 0 makes no band of decades
         band = a.group_by("aligned", "x").agg(
-            pl.col("v").median().alias("c"), ((pl.col("v").max() - pl.col("v").min()) / 2).alias("spread"),
+            some.median().fill_null(LOG_ZERO).alias("c"), ((some.max() - some.min()) / 2).fill_null(0.0).alias("spread"),
             pl.col("std").median().alias("a_std")).join(_noises(a), on="aligned")
         joined = vals.filter(pl.col("run").is_in(runs)).join(band, on=["aligned", "x"]).sort("run", "aligned", "x") \
             .with_columns((pl.col("v") - pl.col("c")).alias("gap")).with_columns(

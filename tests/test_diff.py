@@ -212,3 +212,27 @@ def test_a_gradient_blip_of_a_few_steps_is_no_parting_and_a_lasting_shift_is(tmp
     shift = cli("diff", tmp_path / "base.parquet", tmp_path / "shift.parquet")
     assert shift.returncode == 1 and shift.stdout.startswith("shift parts from base at step 100 in fc: gradient norm"), \
         shift.stdout
+
+
+def test_a_baseline_seed_whose_gradient_is_zero_does_not_widen_the_band_into_decades(tmp_path, cli):
+    """Baseline seeds s1 and s2, s2's layer l1 with exactly 0 gradients (its units all dead in that
+    seed); run r is s1 but for l1's gradients ×100 from step 500. The zero seed says nothing of how
+    far the live ones spread: r parts at step 500 in l1, as against s1 alone."""
+    import numpy as np
+
+    import actrace
+
+    def run(name, seed, l1):
+        rng = np.random.default_rng(seed)
+        with actrace.Writer(tmp_path / f"{name}.parquet", run=name) as w:
+            for step in range(0, 1000, 50):
+                for i in range(3):
+                    w.record_activation(step, f"l{i}", np.abs(rng.normal(size=(32, 8))).astype(np.float32), kind="relu")
+                    w.record_param_grad(step, f"l{i}", "weight", rng.normal(size=(8, 8)) * (l1(step) if i == 1 else 1.0),
+                                        kind="relu")
+    run("s1", 1, lambda s: 1.0)
+    run("s2", 2, lambda s: 0.0)
+    run("r", 1, lambda s: 100.0 if s >= 500 else 1.0)
+    said = cli("diff", tmp_path / "s1.parquet", tmp_path / "s2.parquet", "--", tmp_path / "r.parquet", "--format", "json")
+    parted = {(p["layer"], p["metric"], p["step"]) for p in json.loads(said.stdout)["partings"]}
+    assert said.returncode == 1 and ("l1", "grad_norm", 500) in parted, said.stdout
