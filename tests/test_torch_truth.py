@@ -902,7 +902,7 @@ def test_fused_gpu_kernels_that_fail_are_said_once_and_torch_kernels_read_instea
 def test_an_index_beside_a_module_s_output_is_not_read_nor_warned_of_and_a_lone_integer_output_is(tmp_path):
     """A router returns (logits, top-k values, top-k indices), as Hugging Face's MoE gates do: the
     float parts are read, the int64 indices are no activation (no reading, no warning); a module
-    whose only output is an integer tensor is said once as not read."""
+    whose outputs are all integer tensors, one or a tuple, is said once as not read."""
     class Router(nn.Module):
         def __init__(self):
             super().__init__()
@@ -921,17 +921,22 @@ def test_an_index_beside_a_module_s_output_is_not_read_nor_warned_of_and_a_lone_
         def forward(self, x):
             return torch.bucketize(x, self.edges.detach())
 
+    class Buckets(Bucket):
+        def forward(self, x):
+            return torch.bucketize(x, self.edges.detach()), x.argmax(-1)
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.router, self.bucket = Router(), Bucket()
+            self.router, self.bucket, self.buckets = Router(), Bucket(), Buckets()
 
         def forward(self, x):
-            return self.router(x)[1].sum() + self.bucket(x).sum()
+            return self.router(x)[1].sum() + self.bucket(x).sum() + self.buckets(x)[0].sum()
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         path = record(Net(), torch.randn(16, 8), tmp_path / "t.parquet")
     assert {"router.0", "router.1"} <= set(rows(path)) and "router.2" not in rows(path)
     skipped = [str(w.message) for w in said if "skipping" in str(w.message)]
-    assert skipped == ["actrace: skipping bucket: non-float output (torch.int64)"], skipped
+    assert skipped == [f"actrace: skipping {name}: non-float output (torch.int64)" for name in
+                       ("bucket", "buckets.0", "buckets.1")], skipped

@@ -643,9 +643,11 @@ class ForwardTrace(TorchFunctionMode):
         if frame.kind is None or not base:
             return
         main = type(frame.module) in OPAQUE and isinstance(output, tuple)  # (output, state) or (output, weights)
-        for suffix, t in output_tensors(output):
-            if suffix and not t.is_floating_point():
-                continue  # an index or a mask beside the output (a router's top-k experts): no activation to read
+        tensors = list(output_tensors(output))
+        floats = any(t.is_floating_point() for _, t in tensors)
+        for suffix, t in tensors:
+            if suffix and floats and not t.is_floating_point():
+                continue  # an index or a mask beside a float output (a router's top-k experts): no activation
             name = self._name(base + ("" if main and suffix == ".0" else suffix))
             # a parameterized module of another library is what its output's layer op made (GPT-2's Conv1D: linear)
             kind = (frame.kind == "other" and self.axes.made_by(t)) or frame.kind
