@@ -217,6 +217,21 @@ def _pinned(what: tuple[str, str] | None, kind: str, mean: float, share: float, 
     return f"{what[1]} pinned: {share:.0%} of units within {margin:.4g} of ±{hi:g}"
 
 
+def _growing(rule, run, layer, s, v, need: float, what: str, index: int, advice=None) -> Finding | None:
+    """`rule` (critical) where `v`'s robust rise over the recent readings is `need` or more and its
+    last value at least half that above the value where they start: a layer still getting worse;
+    the finding starts where the rise starts (`onset`)."""
+    i = recent(s)
+    rise = theil_sen(s[i:], v[i:]) * (s[-1] - s[i])
+    if rise < need or v[-1] - v[i] < need / 2:
+        return None
+    start = onset(s, v)
+    return _finding("critical", rule, run, layer, s[start],
+                    f"{what} rose from {v[start]:.0%} at step {s[start]} to {v[-1]:.0%} at step {s[-1]}, {rise:+.0%} "
+                    f"over the last {len(s) - i} readings (since step {s[i]})", score=1 + rise, value=rise,
+                    threshold=need, first=s[i], last=s[-1], index=index, advice=advice)
+
+
 def _dead(run, layer, g, r: Rules) -> Finding | None:
     """dead_growing: the dead fraction rose over the recent readings (a net rise, robust slope), by
     `dead_growth`, or by half that where it ends above `max_dead` (many units dead and still dying,
@@ -230,16 +245,11 @@ def _dead(run, layer, g, r: Rules) -> Finding | None:
     if not known.any() or not known[-1]:
         return None
     s, d = steps[known], dead[known]
-    i = recent(s)
-    rise = theil_sen(s[i:], d[i:]) * (s[-1] - s[i])
     index = int(g["layer_index"][0])
-    need = r.dead_growth / 2 if d[-1] > r.max_dead else r.dead_growth
-    if rise >= need and d[-1] - d[i] >= need / 2:
-        start = onset(s, d)
-        return _finding("critical", "dead_growing", run, layer, s[start],
-                        f"dead fraction rose from {d[start]:.0%} at step {s[start]} to {d[-1]:.0%} at step {s[-1]}, "
-                        f"{rise:+.0%} over the last {len(s) - i} readings (since step {s[i]})",
-                        score=1 + rise, value=rise, threshold=need, first=s[i], last=s[-1], index=index)
+    growing = _growing("dead_growing", run, layer, s, d, r.dead_growth / 2 if d[-1] > r.max_dead else r.dead_growth,
+                       "dead fraction", index)
+    if growing:
+        return growing
     if d[-1] > r.max_dead:
         since = stable_since(s, d, r.dead_growth / 2)
         trend = f"within {r.dead_growth / 2:.0%} of that since step {since}" if since < s[-1] else \
@@ -262,16 +272,11 @@ def _saturation(run, layer, g, r: Rules, what, advice, output: bool) -> Finding 
     index, limit = int(g["layer_index"][0]), r.max_gate_saturation if _gate(what) else r.max_saturation
     known = ~np.isnan(sat)
     s, v = steps[known], sat[known]
-    i = recent(s)
-    rise = theil_sen(s[i:], v[i:]) * (s[-1] - s[i]) if len(s) >= 3 else 0.0
-    if not output and g["kind"][0] != "softmax" and known[-1] and v[-1] > limit and rise >= r.saturation_growth \
-            and v[-1] - v[i] >= r.saturation_growth / 2:
-        start = onset(s, v)
-        return _finding("critical", "saturation_growing", run, layer, s[start],
-                        (f"{what[1]}: " if what else "") + f"saturated share rose from {v[start]:.0%} at step "
-                        f"{s[start]} to {v[-1]:.0%} at step {s[-1]}, {rise:+.0%} over the last {len(s) - i} readings "
-                        f"(since step {s[i]})", score=1 + rise, value=rise, threshold=r.saturation_growth,
-                        first=s[i], last=s[-1], index=index, advice=advice)
+    growing = not output and g["kind"][0] != "softmax" and len(s) >= 3 and known[-1] and v[-1] > limit and _growing(
+        "saturation_growing", run, layer, s, v, r.saturation_growth, f"{what[1]}: saturated share" if what else
+        "saturated share", index, advice)
+    if growing:
+        return growing
     jumps = np.diff(sat)
     landed = (jumps >= r.saturation_spike) & (sat[1:] > limit)
     if landed.any():
