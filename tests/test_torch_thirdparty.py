@@ -207,3 +207,26 @@ def test_a_transformers_model_s_gradients_are_read_as_they_were_made(tmp_path, b
             assert abs(r["sum"] - float(g.sum())) <= 64 * 2 ** -24 * float(g.abs().sum())  # spec §Numerics
             assert r["sumsq"] == pytest.approx(float(g.pow(2).sum()), rel=64 * 2 ** -24)
             assert (r["min"], r["max"]) == (float(g.min()), float(g.max()))
+
+
+def test_mixtral_s_norms_after_its_moe_block_read_their_units_and_a_zeroed_gain_is_dead(tmp_path):
+    """transformers' Mixtral sums its experts' outputs into zeros by index, which loses the unit axis;
+    the norms after the block still read 32 units on the last axis (their gains name them), and
+    layer 1's input norm with 4 of its 32 gains set to 0 reads exactly 4/32 dead."""
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    norm = "model.layers.1.input_layernorm"
+    with torch.no_grad():
+        model.get_submodule(norm).weight[:4] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Monitor(model, torch.randint(0, 32, (4, 12)), tmp_path / "m.parquet", grad_every=None) as mon:
+            mon.probe_reading(0)
+    rows = {r["layer"]: r for r in actrace.read_table(tmp_path / "m.parquet").to_pylist()}
+    for name in (norm, "model.layers.1.post_attention_layernorm", "model.norm"):
+        assert (rows[name]["units"], rows[name]["unit_axis"]) == (32, 2), name
+    m = metrics(tmp_path / "m.parquet").filter(pl.col("layer") == norm)
+    assert m["dead_fraction"].to_list() == [4 / 32]
