@@ -3,8 +3,11 @@ findings, the runs' alignment and comparison follow when first asked; `summary`,
 `check` and `report` share it. Histograms are read on demand (only the report draws them)."""
 from __future__ import annotations
 
+import json
+import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import polars as pl
 
@@ -18,6 +21,37 @@ from .findings import Finding, Rules, findings, findings_frame
 from .metrics import Thresholds, last_reading, reduced, scalars
 from .signals import series, units
 from .tables import RunTables
+
+
+PROJECT_FILE = "actrace.toml"
+
+
+@dataclass
+class Baseline:
+    """The runs others are compared with (several: a baseline's seeds), and why they were chosen."""
+
+    runs: list[str]
+    why: str
+
+    @property
+    def said(self) -> str:
+        return f"{', '.join(self.runs)} (chosen by {self.why})"
+
+
+def project_baseline(start: Path | None = None) -> tuple[str | None, str]:
+    """The `baseline` key of the nearest `actrace.toml` (this folder or one above), and where it was."""
+    folder = (start or Path.cwd()).resolve()
+    for place in [folder, *folder.parents]:
+        path = place / PROJECT_FILE
+        if path.is_file():
+            try:
+                value = tomllib.loads(path.read_text()).get("baseline")
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ValueError(f"{path}: not a readable TOML file: {exc}") from None
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{path}: baseline must be a string (a run's name or KEY=VALUE), got {value!r}")
+            return value, str(path)
+    return None, ""
 
 
 @dataclass
@@ -59,10 +93,32 @@ class Analysis:
         findings only: `run_unfinished`, `run_empty`)."""
         return [m for m in self.runs if m.get("readings") != 0]
 
-    @property
-    def baseline(self) -> str | None:
-        """The default baseline: the run of the first trace given that holds a reading."""
-        return next((m.get("run_name") for m in self.read), None)
+    def baseline(self, requested: str | None = None) -> Baseline | None:
+        """The runs the others are compared with, and why: `requested` (--baseline), else the project
+        file's `baseline` (`actrace.toml` here or in a folder above), each a run's name or KEY=VALUE
+        (the runs whose config holds that value: a baseline's seeds); else none. Never the file that
+        sorts first: a broken run would be every run's yardstick."""
+        why = "--baseline"
+        if requested is None:
+            requested, why = project_baseline()
+            if requested is None:
+                return None
+        names = [m.get("run_name") for m in self.read]
+        if requested in names:
+            return Baseline([requested], why)
+        key, eq, value = requested.partition("=")
+        if eq:
+            try:
+                wanted = json.loads(value)
+            except json.JSONDecodeError:
+                wanted = value
+            chosen = [m.get("run_name") for m in self.read if json.loads(m.get("config") or "{}").get(key) == wanted]
+            if chosen and len(chosen) < len(names):
+                return Baseline(chosen, f"{why} {requested}: the runs whose config has {key} = {value}")
+            if chosen:
+                raise ValueError(f"{why} {requested!r}: every run has {key} = {value}: nothing left to compare")
+        raise ValueError(f"{why} {requested!r} is neither a run ({', '.join(map(str, names))}) nor a config KEY=VALUE "
+                         "that a run's config holds")
 
     @cached_property
     def keys(self) -> pl.DataFrame:
@@ -110,16 +166,14 @@ class Analysis:
                               .join(chosen, on=["run", "layer"], how="semi", maintain_order="left").drop("stream"))
         return pl.concat(frames) if frames else pl.DataFrame()
 
-    def parted(self, baseline: str | None = None) -> Diff:
-        """Where every other run parts from `baseline` (default: the first trace's run), as `actrace
-        diff` says: only differences outside the baseline's band."""
-        baseline = baseline or self.baseline
-        names = [meta.get("run_name") for meta in self.read]
-        if baseline not in names:
-            raise ValueError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
-        if baseline not in self._parted:
-            self._parted[baseline] = self.compared([baseline], [n for n in names if n != baseline])
-        return self._parted[baseline]
+    def parted(self, baseline: Baseline) -> Diff:
+        """Where every other run parts from the `baseline`'s runs, as `actrace diff` says: only
+        differences outside the baseline's band."""
+        key = tuple(baseline.runs)
+        if key not in self._parted:
+            names = [meta.get("run_name") for meta in self.read]
+            self._parted[key] = self.compared(baseline.runs, [n for n in names if n not in key])
+        return self._parted[key]
 
 
 def analyze(paths, th: Thresholds = Thresholds(), rules: Rules = Rules(), *, mapping: dict | None = None,

@@ -1,38 +1,35 @@
-"""`actrace check`: a CI gate over an analysis, with text, JSON and JUnit answers.
+"""`actrace check`: a CI gate over an analysis: a verdict per run, with text, JSON and JUnit answers.
 
-The default gate fails on every finding of severity `fail_on` or worse (critical: a NaN, units still
-dying, vanishing or exploding gradients, and every run that did not finish cleanly: failed,
-stopped, never closed, or closed without a stream it was set to record). Threshold options add
-rules to that gate, at each layer's last reading; `allow` accepts findings of the rules it names.
-A threshold with nothing to read (no gradient reading at all for `min_grad_norm`) is a violation,
-not a pass.
+The gate fails a run on each of its findings of severity `fail_on` or worse (critical by default: a
+NaN, units dying, a layer gone, vanishing or exploding gradients, and every run that did not finish
+cleanly), and on every finding of the rules a threshold given on the command line is read by
+(`--max-dead 0.2` gates dead_high, dead_growing and layer_dead at that level). A consequence (a
+finding another explains: `Finding.cause`) is judged through its cause: on its own only where the
+gate passes its cause (a NaN gradient norm under --min-grad-norm with --fail-on never).
+A threshold with nothing to read in a run (`--max-saturation` on a ReLU-only net) is said once, as a
+note, and fails only under `strict`. A run still being written (its writer holds the trace) is
+`running`, not failed, unless `require_finished`. The answer is the same bytes for the same input.
+
+Exit codes (the CLI's): 0 every run passed (or is running); 1 a run failed; 2 the input or an option
+was refused (a trace that breaks the spec, a mistyped flag).
 """
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import polars as pl
 
 from actrace.format.schema import shown
 
-from .findings import SEVERITY_RANK, Finding
-from .metrics import last_reading
-
-# threshold option → (stream it reads, metric column, sign: +1 fails above, -1 below, what it is)
-LIMITS = {
-    "max_dead": ("activation", "dead_fraction", +1, "dead fraction"),
-    "max_saturation": ("activation", "saturation_value", +1, "saturated share of values"),
-    "max_saturation_units": ("activation", "saturation_unit", +1, "share of units pinned for every input"),
-    "min_grad_norm": ("param_grad", "grad_norm", -1, "gradient norm"),
-    "max_grad_norm": ("param_grad", "grad_norm", +1, "gradient norm"),
-}
+from .findings import Finding
+from .rules import REGISTRY, RULES_VERSION, SEVERITY_RANK, THRESHOLDS, family_of, rules_of
 
 
 @dataclass
 class Violation:
-    """One failed rule: `gate` is a threshold option (`max_dead`) or `findings`."""
+    """One failed rule of one run: `gate` is `findings`, or the threshold a rule was gated by."""
 
     gate: str
     run: str
@@ -44,56 +41,114 @@ class Violation:
     threshold: float | None = None
 
 
-def violations(m: pl.DataFrame, found: list[Finding], runs: list[str], *, limits: dict[str, float] | None = None,
-               no_nan: bool = False, fail_on: str = "critical", allow=()) -> list[Violation]:
-    """Every violation of the gate, per run in the order given; `m`: the metrics, or their last
-    readings (`Analysis.latest`: all the limits read)."""
+@dataclass
+class Verdict:
+    """One run's answer: `passed`, `failed` (its `failed_rules`) or `running`."""
+
+    run: str
+    verdict: str
+    failed_rules: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Gate:
+    verdicts: list[Verdict]
+    violations: list[Violation]
+    notes: list[str]
+    gates: list[str]              # the rules (and thresholds) judged: JUnit's test cases per run
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations
+
+    @property
+    def failed(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.verdict == "failed"]
+
+
+def unreadable(latest: pl.DataFrame, runs: list[str], given: dict) -> list[tuple[str, str, str]]:
+    """(threshold, run, what it reads) for each given threshold that has nothing to read in a run:
+    none of the metric-table columns its rules read holds a value there."""
     out = []
-    last = last_reading(m, "run", "layer", "stream")
-    for option, limit in (limits or {}).items():
-        stream, column, sign, what = LIMITS[option]
-        rows = last.filter((pl.col("stream") == stream) & pl.col(column).is_not_null())  # a tanh's, not a ReLU's
-        for run in runs:
-            if not rows.filter(pl.col("run") == run).height:
-                out.append(Violation(option, run, "-", option, -1, f"no {stream} reading with a {what} to check "
-                                     f"--{option.replace('_', '-')} against", None, limit))
-        beyond = pl.col(column) > limit if sign > 0 else pl.col(column) < limit
-        bad = rows.filter(beyond | pl.col(column).is_nan())  # NaN is neither above nor below: it fails both
-        for r in bad.sort("run", "layer_index").iter_rows(named=True):
-            said = f"{what} is NaN at step {r['step']}, not {'≤' if sign > 0 else '≥'} {limit:g}" if r[column] != r[
-                column] else f"{what} {r[column]:.3g} at step {r['step']} {'exceeds' if sign > 0 else 'is below'} {limit:g}"
-            out.append(Violation(option, r["run"], r["layer"], option, r["step"], said, r[column], limit))
-    for f in found:
-        gated = fail_on != "never" and SEVERITY_RANK[f.severity] <= SEVERITY_RANK[fail_on] and f.rule not in allow
-        if gated or (no_nan and f.rule == "nan_inf"):
-            out.append(Violation("findings", f.run, f.layer, f.rule, f.step,
+    for name in given:
+        columns = [c for rule in family_of(name).rules for c in rule.reads if c in latest.columns]
+        if not columns:
+            continue
+        readable = latest.filter(pl.any_horizontal(pl.col(c).is_not_null() & ~pl.col(c).cast(pl.Float64).is_nan()
+                                                   for c in dict.fromkeys(columns)))["run"].unique().to_list()
+        out += [(name, run, " or ".join(dict.fromkeys(columns))) for run in runs if run not in readable]
+    return out
+
+
+def gate(latest: pl.DataFrame, found: list[Finding], runs: list[str], *, given: dict | None = None,
+         no_nan: bool = False, fail_on: str = "critical", allow=(), strict: bool = False,
+         require_finished: bool = False) -> Gate:
+    """The gate's answer over the runs (in the order given): `latest`, each layer's last readings
+    (`Analysis.latest`); `found`, the findings computed with the thresholds `given` (name → value)."""
+    given = given or {}
+    gated = {rule: name for name in given for rule in rules_of(name)}
+
+    def fails(f: Finding) -> bool:
+        if f.rule in allow or (f.rule == "run_running" and not require_finished):
+            return False
+        severe = fail_on != "never" and SEVERITY_RANK[f.severity] <= SEVERITY_RANK[fail_on]
+        return severe or f.rule in gated or (no_nan and f.rule == "nan_inf") or f.rule == "run_running"
+    failing = {(f.run, f.key) for f in found if f.cause is None and fails(f)}
+    out, notes = [], []
+    for f in found:  # a consequence is judged through its cause: on its own only where its cause passes
+        if fails(f) and (f.cause is None or (f.run, f.cause) not in failing):
+            out.append(Violation(gated.get(f.rule, "findings"), f.run, f.layer, f.rule, f.step,
                                  f"{f.severity} finding {f.rule}" + (f" since step {f.step}" if f.step >= 0 else "")
-                                 + f": {f.evidence}", f.value, f.threshold))
+                                 + (f" (because of {f.cause})" if f.cause else "") + f": {f.evidence}", f.value,
+                                 f.threshold))
+    for name, run, columns in unreadable(latest, runs, given):
+        flag = THRESHOLDS[name].flag
+        said = f"{flag}: nothing to read in run {shown(run)} (no {columns} there)"
+        if strict:
+            out.append(Violation(name, run, "-", name, -1, said + ", and --strict fails it", None, given[name]))
+        else:
+            notes.append(said + ": not judged (--strict fails it)")
     order = {run: i for i, run in enumerate(runs)}
-    return sorted(out, key=lambda v: (order.get(v.run, len(order)), v.gate != "findings", v.gate, v.step))
-
-
-def as_text(bad: list[Violation]) -> str:
-    lines = [f"{shown(v.run)} / {shown(v.layer)}: {shown(v.message)}" for v in bad]
-    return "\n".join([f"check: {len(bad)} violation(s)" if bad else "check: passed"] + lines) + "\n"
-
-
-def as_json(bad: list[Violation], runs: list[str]) -> str:
-    return json.dumps({"passed": not bad, "runs": runs, "violations": [asdict(v) for v in bad]}, indent=2) + "\n"
-
-
-def as_junit(bad: list[Violation], runs: list[str], gates: list[str]) -> str:
-    """One test case per run and gate, failed with its violations: what CI systems show as tests."""
-    suites = ET.Element("testsuites", name="actrace check")
+    out.sort(key=lambda v: (order.get(v.run, len(order)), v.gate != "findings", v.gate, v.step, v.layer, v.rule))
+    running = {f.run for f in found if f.rule == "run_running"}
+    verdicts = []
     for run in runs:
-        mine = [v for v in bad if v.run == run]
-        suite = ET.SubElement(suites, "testsuite", name=shown(run), tests=str(len(gates)),
-                              failures=str(len({v.gate for v in mine})))
-        for gate in gates:
-            case = ET.SubElement(suite, "testcase", classname=f"actrace.{shown(run)}", name=gate)
-            failed = [v for v in mine if v.gate == gate]
+        rules = list(dict.fromkeys(v.rule for v in out if v.run == run))
+        verdicts.append(Verdict(run, "failed" if rules else "running" if run in running else "passed", rules))
+    return Gate(verdicts, out, notes, sorted(REGISTRY) + sorted(given))
+
+
+def as_text(g: Gate) -> str:
+    n = len(g.verdicts)
+    head = "check: passed" if g.passed else f"check: {len(g.failed)} of {n} run(s) failed, {len(g.violations)} " \
+                                             f"violation(s)"
+    lines = [f"{head} (rules {RULES_VERSION})"]
+    lines += [f"  {shown(v.run)}: {v.verdict}" + (f" ({', '.join(v.failed_rules)})" if v.failed_rules else "")
+              for v in g.verdicts]
+    lines += [f"{shown(v.run)} / {shown(v.layer)}: {shown(v.message)}" for v in g.violations]
+    lines += [f"note: {shown(n)}" for n in g.notes]
+    return "\n".join(lines) + "\n"
+
+
+def as_json(g: Gate) -> str:
+    return json.dumps({"passed": g.passed, "rules_version": RULES_VERSION, "runs": [asdict(v) for v in g.verdicts],
+                       "violations": [asdict(v) for v in g.violations], "notes": g.notes}, indent=2) + "\n"
+
+
+def as_junit(g: Gate) -> str:
+    """One test suite per run, one test case per run and rule (and given threshold), failed with its
+    violations: what CI systems show as tests."""
+    suites = ET.Element("testsuites", name=f"actrace check (rules {RULES_VERSION})")
+    for verdict in g.verdicts:
+        run = verdict.run
+        mine = [v for v in g.violations if v.run == run]
+        suite = ET.SubElement(suites, "testsuite", name=shown(run), tests=str(len(g.gates)),
+                              failures=str(len({v.rule for v in mine})))
+        for rule in g.gates:
+            case = ET.SubElement(suite, "testcase", classname=f"actrace.{shown(run)}", name=rule)
+            failed = [v for v in mine if v.rule == rule]
             if failed:
-                failure = ET.SubElement(case, "failure", message=f"{len(failed)} violation(s) of {gate}")
+                failure = ET.SubElement(case, "failure", message=f"{len(failed)} violation(s) of {rule}")
                 failure.text = "\n".join(f"{shown(v.layer)}: {shown(v.message)}" for v in failed)
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"

@@ -21,13 +21,14 @@ from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING
                                    SATURATING_SIDES, SCHEMA, SPEC_VERSION, STREAMS, minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
 
+from .meaning import masked
 from .tables import RunRows, RunTables
 
 METRIC_COLUMNS = ["run", "layer", "layer_index", "kind", "stream", "step", "dead_fraction", "dormant_fraction",
                   "sparsity", "saturation_value", "saturation_unit", "mean", "std", "min", "max", "grad_norm",
                   "nan_count", "inf_count"]
 EXTRA_COLUMNS = ["norm", "max_abs", "update_ratio", "units", "values", "mode", "probe_fingerprint", "top_unit",
-                 "top_ratio", "kurtosis"]
+                 "top_ratio", "kurtosis", "unit_std"]
 _READ = ["run", "step", "layer", "layer_index", "kind", "stream", "param", "units", "bound_lo", "bound_hi", "mode",
          "probe_fingerprint", "count", "nan_count", "inf_count", "zero_count", "sum", "sumsq", "min", "max",
          "update_norm", "unit_min", "unit_max", "unit_min_dev", "hist", "sat_counts", "value", "unit_sum", "unit_count",
@@ -116,7 +117,23 @@ def _unit_counts(table: pa.Table, th: Thresholds) -> dict[str, np.ndarray]:
     pinned[np.isnan(b_lo)] = np.nan
     top, ratio = _top_units(np.fmax(np.abs(lo), np.abs(hi)), starts, nulls)
     return {"dead_units": dead, "pinned_units": pinned, "top_unit": top, "top_ratio": ratio,
-            "dormant_units": _dormant(table, th, is_dead, starts, nulls)}
+            "dormant_units": _dormant(table, th, is_dead, starts, nulls), "unit_std": _unit_std(table, starts, nulls)}
+
+
+def _unit_std(table: pa.Table, starts: np.ndarray, nulls: np.ndarray) -> np.ndarray:
+    """Per row: the RMS over units of each unit's std across the probe (spec §Metrics, unit std),
+    sqrt(mean_u max(sumsq_u / n_u − (sum_u / n_u)², 0)) over the units with a finite value: near 0
+    where every input gives each unit the same output (a representation collapse), even where the
+    units sit at different constants and the layer's std looks healthy. NaN without lists."""
+    sums = _flat(table["unit_sum"])[0]
+    squares = _flat(table["unit_sumsq"])[0]
+    counts = _flat(table["unit_count"])[0].astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        have = counts > 0
+        mean = sums / counts
+        var = np.where(have, np.maximum(squares / counts - mean * mean, 0.0), 0.0)
+        units = _count_per_row(have, starts, nulls)
+        return np.where(units > 0, np.sqrt(np.add.reduceat(np.append(var, 0.0), starts) / units), np.nan)
 
 
 def _by_width(values: np.ndarray, starts: np.ndarray, rows: np.ndarray):
@@ -265,8 +282,8 @@ def activation_metrics(lf: pl.LazyFrame, th: Thresholds, bound_pairs) -> pl.Lazy
         l2_norm(pl.col("sumsq"), pl.col("nan_count") + pl.col("inf_count")).alias("norm"),
         pl.max_horizontal(pl.col("min").abs(), pl.col("max").abs()).alias("max_abs"),
         "nan_count", "inf_count", _finite_n().alias("values"), pl.col("top_unit").cast(pl.Int64), "top_ratio",
-        kurtosis(),
-    )
+        kurtosis(), "unit_std",
+    ).pipe(masked)
 
 
 def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -292,7 +309,6 @@ def parameter_metrics(lf: pl.LazyFrame) -> pl.LazyFrame:
 
 
 _BOUNDED_ONLY = ("unit_min_dev", "hist", "sat_counts")  # read only from files with bounded layers
-_PER_UNIT = ("unit_sum",)  # read only from files with per-head or per-expert readings
 UNIT_LISTS = ("unit_sum", "unit_count", "unit_min", "unit_max")  # kept in the rows of those readings only
 
 
@@ -302,10 +318,6 @@ def _bounded(t: pa.Table) -> bool:
 
 def _per_unit(t: pa.Table) -> pa.Array:
     return pc.is_in(t["kind"], pa.array(PER_UNIT_KINDS))
-
-
-def _has_per_unit(t: pa.Table) -> bool:
-    return pc.any(_per_unit(t)).as_py()
 
 
 def _counted(table: pa.Table, th: Thresholds) -> pl.DataFrame:
@@ -324,7 +336,7 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
     layers, what saturation needs); its metadata. The columns read are checked first (spec
     §Validity): a trace that breaks a rule they fall under is refused, naming the file and the rule."""
-    lazy = [(_BOUNDED_ONLY, _bounded), (_PER_UNIT, _has_per_unit)]
+    lazy = [(_BOUNDED_ONLY, _bounded)]
     table, meta = read_source(source, _READ, when=lazy)
     read = set(_READ).difference(*(names for names, needed in lazy if not needed(table)))
     newer = minor_version(meta["spec_version"]) > minor_version(SPEC_VERSION)

@@ -120,7 +120,7 @@ def diff_view(texts: dict[str, str], baseline: str, chosen: str | None) -> str:
                       f"{html.escape(shown(r))}</option>" for r in texts)
     blocks = "".join(f'<pre class="diff"{_attrs(r)}{"" if r == chosen else " hidden"}>{html.escape(t)}</pre>'
                      for r, t in texts.items())
-    return (f"<h2>Against the baseline</h2><p class='muted'>Where the chosen run parts from the baseline run "
+    return (f"<h2>Against the baseline</h2><p class='muted'>Where the chosen run parts from the baseline "
             f"{html.escape(shown(baseline))}, as <code>actrace diff</code> says: only differences outside the "
             f"baseline's own band.</p><label>run <select id='diff-run'>{options}</select></label>{blocks}")
 

@@ -8,6 +8,7 @@ Vega/Vega-Lite/vega-embed JavaScript is inlined (vl-convert ships it), so no req
 """
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import dataclass
 
@@ -18,10 +19,11 @@ from actrace.format import bins
 from actrace.format.recurrent import describe
 
 from . import charts, page
-from .analysis import Analysis
+from .analysis import Analysis, Baseline
 from .diff import as_text
 from .findings import SEVERITY_RANK, Finding, group
 from .metrics import last_reading, non_finite
+from .summary import NO_BASELINE
 
 SIG_DIGITS = 3            # floats in the embedded data: what a chart or a tooltip resolves
 HEAT_ROWS = 80_000        # (run, layer, step) rows of the heatmaps together: about 3 MiB of page at any fleet size
@@ -80,7 +82,8 @@ def _spec_json(chart) -> str:
 class Choice:
     """What the page shows, decided once from the analysis."""
 
-    baseline: str
+    first_run: str            # the run the menus open on: the baseline's first, else the first given
+    compared: Baseline | None  # the baseline others are compared with (none unless one was chosen)
     menu_runs: list[str]      # the menus' order: the baseline, then the runs as given
     ranked_runs: list[str]    # worst first: by their worst finding's severity, then its score
     focus: Finding | None     # the finding the page opens on
@@ -90,11 +93,11 @@ class Choice:
     search: dict[str, str]    # run → the text the filter matches: its name and config
 
 
-def choose(analysis: Analysis, baseline: str | None) -> Choice:
+def choose(analysis: Analysis, baseline: Baseline | None) -> Choice:
     found = analysis.findings
-    first = baseline or analysis.baseline
     names = [r.get("run_name") for r in analysis.read]
-    menu = [first] + [n for n in names if n != first]
+    menu = list(dict.fromkeys((baseline.runs if baseline else []) + names))
+    first = menu[0]
     worst = {}
     for f in found:
         worst.setdefault(f.run, (SEVERITY_RANK[f.severity], -f.score))
@@ -108,7 +111,7 @@ def choose(analysis: Analysis, baseline: str | None) -> Choice:
     layers = analysis.metrics.select("run", "layer").unique().height
     heat_steps = int(np.clip(HEAT_ROWS / max(layers, 1), MIN_STEPS, MAX_STEPS))
     search = {r.get("run_name"): f"{r.get('run_name')} {r.get('config', '')}" for r in analysis.runs}
-    return Choice(first, menu, ranked, focus, focus_aligned, heat_steps, charts.run_colors(menu), search)
+    return Choice(first, baseline, menu, ranked, focus, focus_aligned, heat_steps, charts.run_colors(menu), search)
 
 
 @dataclass
@@ -197,7 +200,7 @@ def _heatmaps(analysis: Analysis, c: Choice) -> Section | None:
                         "no bounded layers in this run|(saturation exists for tanh, sigmoid, …)"),
                        ("grad_norm", "gradient norm", "", "no gradient readings in this run|(an ONNX run has none)"),
                        ("top_ratio", "largest ÷ median unit", "", "no layer of 8 units or more in this run")],
-                       c.menu_runs, default_run=c.focus.run if c.focus else c.baseline,
+                       c.menu_runs, default_run=c.focus.run if c.focus else c.first_run,
                        # black where a reading holds NaN/Inf; not saturation's: a layer of no bound has none anyway
                        bad={"dead_fraction": "activation_bad", "top_ratio": "activation_bad", "grad_norm": "grad_bad"}))
 
@@ -212,7 +215,7 @@ def _recurrent(analysis: Analysis, c: Choice) -> Section | None:
         "run", "layer", "layer_index", "step", "saturation_value", "saturation_unit"))
     if not recurrent.height:
         return None
-    default = next((f.run for f in analysis.findings if f.layer in set(recurrent["layer"])), c.baseline)
+    default = next((f.run for f in analysis.findings if f.layer in set(recurrent["layer"])), c.first_run)
     return Section("recurrent", "Recurrent layers", "Per run (menu): each recurrent layer's gates, hidden state and "
                    "final states together, by layer and direction. A gate pinned open or closed for every input, or a "
                    "hidden state piling at ±1, carries no information.", charts.layer_heatmaps(recurrent, [
@@ -235,7 +238,7 @@ def _heads(analysis: Analysis, c: Choice) -> Section | None:
         "run", (pl.col("scope") + " · head " + pl.col("unit").cast(pl.String)).alias("layer"),
         (pl.col("layer_index").cast(pl.Int64) * 4096 + pl.col("unit")).alias("layer_index"), "step",
         (1 - pl.col("attention_entropy")).alias("peaked"), pl.col("attention_sink").alias("sink"))
-    default = next((f.run for f in analysis.findings if f.rule.startswith("attention_")), c.baseline)
+    default = next((f.run for f in analysis.findings if f.rule.startswith("attention_")), c.first_run)
     return Section("heads", "Attention heads × steps", "Per run (menu): every attention head on the probe, recomputed "
                    "unfused whatever the kernel. Peakedness is 1 − its entropy over the most it could be: 0 spreads "
                    "evenly, 1 puts everything on one key (entropy collapse); the first-key mass is the attention sink.",
@@ -270,7 +273,7 @@ def _trends(analysis: Analysis, c: Choice) -> Section | None:
 
 def _overlaid(c: Choice) -> list[str]:
     """The runs a chart overlays: the baseline, the run it opens on, then the worst."""
-    return list(dict.fromkeys([c.baseline] + ([c.focus.run] if c.focus else []) + c.ranked_runs))[:MAX_TREND_RUNS]
+    return list(dict.fromkeys([c.first_run] + ([c.focus.run] if c.focus else []) + c.ranked_runs))[:MAX_TREND_RUNS]
 
 
 def _profile(analysis: Analysis, c: Choice) -> Section | None:
@@ -287,7 +290,7 @@ def _histogram(analysis: Analysis, c: Choice) -> Section | None:
                                                                      if f.stream == "activation"]
     pairs = list(dict.fromkeys(flagged))[:MAX_HIST_PAIRS]
     if not pairs:  # no finding on an activation: the first run's layers
-        pairs = [tuple(r) for r in analysis.metrics.filter((pl.col("run") == c.baseline) & (pl.col("stream") ==
+        pairs = [tuple(r) for r in analysis.metrics.filter((pl.col("run") == c.first_run) & (pl.col("stream") ==
                  "activation")).select("run", "layer").unique(maintain_order=True).rows()][:MAX_HIST_PAIRS]
     hist = _compact(histogram_frame(analysis.histograms(pairs)))
     if not hist.height:
@@ -324,16 +327,18 @@ def assemble(analysis: Analysis, c: Choice, sections: list[Section]) -> str:
     from altair.utils._importers import vl_version_for_vl_convert
 
     found = analysis.findings
-    others = [r for r in c.menu_runs if r != c.baseline]
-    parted = analysis.parted(c.baseline)
-    texts = {r: as_text(parted, [r]) for r in others}
-    chosen = c.focus.run if c.focus and c.focus.run in texts else (others[0] if others else None)
+    if c.compared is not None:
+        others = [r for r in c.menu_runs if r not in c.compared.runs]
+        parted = analysis.parted(c.compared)
+        texts = {r: as_text(parted, [r]) for r in others}
+        chosen = c.focus.run if c.focus and c.focus.run in texts else (others[0] if others else None)
     html_of = {s.chart_id: page.section(s.chart_id, s.title, s.note) for s in sections}
     body = [page.findings_table(found, c.search) if len(group(found)) <= 30 else
             f"<details><summary>All findings ({len(group(found))} groups of rule and run)</summary>"
             f"{page.findings_table(found, c.search)}</details>"]
     body += [html_of[k] for k in ("loss", "heatmaps", "recurrent", "heads") if k in html_of]
-    body.append(page.diff_view(texts, c.baseline, chosen))
+    body.append(page.diff_view(texts, c.compared.said, chosen) if c.compared is not None else
+                f"<h2>Against the baseline</h2><p class='muted'>{html.escape(NO_BASELINE)}.</p>")
     body += [html_of[k] for k in ("multiples", "trends", "profile", "histogram") if k in html_of]
     runs = [{"run": meta.get("run_name"), "framework": f"{meta.get('framework')} {meta.get('framework_version')}",
              "adapter": meta.get("adapter"), "status": meta.get("status"), "mode": meta.get("mode"),
@@ -350,8 +355,9 @@ def assemble(analysis: Analysis, c: Choice, sections: list[Section]) -> str:
         first=c.focus.run if c.focus else None)
 
 
-def build_report(analysis: Analysis, *, baseline: str | None = None, progress=lambda msg: None) -> str:
-    """The report of an analysis as one HTML page, runs compared with `baseline` (default: the first)."""
+def build_report(analysis: Analysis, *, baseline: Baseline | None = None, progress=lambda msg: None) -> str:
+    """The report of an analysis as one HTML page, runs compared with `baseline` (`Analysis.baseline`;
+    none: no comparison, and the page says how to choose one)."""
     c = choose(analysis, baseline)
     sections = draw(analysis, c, progress)
     progress("writing page")

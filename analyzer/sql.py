@@ -15,6 +15,7 @@ import math
 from actrace.format.bins import bin_bounds
 from actrace.format.schema import DERIVED_KINDS, SAT_COUNTS, SAT_LEVELS
 
+from .meaning import sql_masked
 from .metrics import _TOL, EXTRA_COLUMNS, KURTOSIS_ERROR, METRIC_COLUMNS, SIDE_COLUMNS, UPPER_ONLY, Thresholds
 
 DIALECTS = ("duckdb", "spark")
@@ -167,15 +168,21 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
     rounding = f"({d.num(2.0 ** -24)} * ({s4} + 4 * abs({mu} * {s3}) + 6 * {power(mu, 2)} * {s2} + 3 * {power(mu, 4)}))"
     kurtosis = (f"CASE WHEN nn > 0 AND {var} > 0 AND {rounding} < {d.num(KURTOSIS_ERROR)} * {power(var, 2)} "
                 f"THEN {d.fmax(m4, zero)} / {power(var, 2)} END")
+    def per_unit(column: str) -> str:  # column[u] / unit_count[u], 0 for a unit of no finite value
+        return d.zip(column, "unit_count", lambda a, c: f"CASE WHEN {c} > 0 THEN {a} / {c} ELSE {zero} END")
+    var_u = d.zip("mu_u", "ms_u", lambda mu_u, s_u: f"greatest({s_u} - {mu_u} * {mu_u}, {zero})")
+    have = d.count("unit_count", lambda c: f"{c} > 0")
+    unit_std = f"CASE WHEN {have} > 0 AND NOT isnan({d.total(var_u)}) THEN sqrt({d.total(var_u)} / {have}) END"
     rows = f"(SELECT * FROM {table} WHERE kind IS NULL OR kind NOT IN {d.strs(DERIVED_KINDS)})"
-    units_of = (f"SELECT *, {rms} AS rms, {mag} AS mag, {pinned} AS pinned, "
+    units_of = (f"SELECT *, {rms} AS rms, {mag} AS mag, {pinned} AS pinned, {per_unit('unit_sum')} AS mu_u, "
+                f"{per_unit('unit_sumsq')} AS ms_u, "
                 f"{dead_mask} AS dead_mask, {share} AS share, {n} AS nn "
                 f"FROM {rows} WHERE stream IN ('activation', 'activation_grad')")
     values = d.q("values")
     activation = (
         f"SELECT run, layer, layer_index, kind, stream, step, units, mode, probe_fingerprint, "
-        f"{d.div(d.count('dead_mask', lambda x: x), 'units')} AS dead_fraction, "
-        f"{d.div(dormant, 'units')} AS dormant_fraction, "
+        f"{sql_masked('dead_fraction', d.div(d.count('dead_mask', lambda x: x), 'units'), d.strs)} AS dead_fraction, "
+        f"{sql_masked('dormant_fraction', d.div(dormant, 'units'), d.strs)} AS dormant_fraction, "
         f"CASE WHEN nn > 0 THEN {d.div('zero_count', 'nn')} END AS sparsity, {saturation} AS saturation_value, "
         f"{d.div('pinned', 'units')} AS saturation_unit, CASE WHEN nn > 0 THEN {mu} END AS mean, "
         f"CASE WHEN nn > 0 THEN sqrt(greatest({var}, {zero})) END AS std, min, max, "
@@ -183,13 +190,13 @@ def metrics_sql(dialect: str = "duckdb", th: Thresholds = Thresholds(), table: s
         f"{d.fmax('abs(min)', 'abs(max)')} AS max_abs, CAST(NULL AS DOUBLE) AS update_ratio, nan_count, inf_count, "
         f"nn AS {values}, CASE WHEN {ok} THEN CAST({d.argmax('mag')} AS BIGINT) END AS top_unit, "
         f"CASE WHEN {ok} AND {median} > 0 THEN CAST({d.at('mag', d.argmax('mag'))} AS DOUBLE) / {median} END AS top_ratio, "
-        f"{kurtosis} AS kurtosis FROM (SELECT *, {reference} AS ref, {d.sort('mag')} AS smag FROM ({units_of}) u) w")
+        f"{kurtosis} AS kurtosis, {unit_std} AS unit_std FROM (SELECT *, {reference} AS ref, {d.sort('mag')} AS smag FROM ({units_of}) u) w")
     total = f"CASE WHEN sum(nan_count + inf_count) = 0 THEN sqrt(sum(sumsq)) ELSE {nan} END"
     n_all, mean_all = f"sum({n})", d.div("sum(sum)", f"sum({n})")
     var_all = f"({d.div('sum(sumsq)', n_all)} - {power(mean_all, 2)})"
     null = ", ".join(f"CAST(NULL AS {'BIGINT' if c == 'top_unit' else 'DOUBLE'}) AS {c}" for c in (
         "dead_fraction", "dormant_fraction", "sparsity", "saturation_value", "saturation_unit", "top_unit",
-        "top_ratio", "kurtosis"))
+        "top_ratio", "kurtosis", "unit_std"))
     parameter = (
         f"SELECT run, layer, max(layer_index) AS layer_index, max(kind) AS kind, stream, step, max(units) AS units, "
         f"max(mode) AS mode, max(probe_fingerprint) AS probe_fingerprint, {null}, "

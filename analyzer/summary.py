@@ -6,7 +6,8 @@ import polars as pl
 from actrace.format.schema import shown
 
 from .diff import Diff, as_text
-from .findings import DORMANT_KINDS, Finding, findings_frame, group
+from .findings import RULES_VERSION, Finding, findings_frame, group
+from .meaning import DORMANT_KINDS
 from .metrics import METRIC_COLUMNS, last_reading
 
 
@@ -21,18 +22,20 @@ def _fmt(v, pct: bool = False) -> str:
 def format_findings(found: list[Finding]) -> str:
     """Findings grouped by rule and run, most urgent first; every affected layer is named."""
     if not found:
-        return "findings: none (every rule stayed silent)"
+        return f"findings: none (every rule stayed silent; rules {RULES_VERSION})"
     groups = group(found)
-    lines = [f"findings: {len(found)} in {len(groups)} group(s) of rule and run"]
+    lines = [f"findings: {len(found)} in {len(groups)} group(s) of rule and run (rules {RULES_VERSION})"]
     for g in groups:
         f = g.first
         since = f" since step {f.step}" if f.step >= 0 else ""  # a run's status has no step
-        lines.append(f"  {f.severity.upper():<8} {f.rule:<20} {shown(f.run)} / {shown(f.layer)}{since}: "
-                     f"{shown(f.evidence)}")
+        pad = "    " if f.cause else ""  # a consequence, under its cause
+        head = f"  {pad}because of it: {f.rule} " if f.cause else f"  {f.severity.upper():<8} {f.rule:<20} "
+        lines.append(f"{head}{shown(f.run)} / {shown(f.layer)}{since}: {shown(f.evidence)}")
         if g.others:
             names = ", ".join(shown(o.layer) for o in g.others[:12]) + (", …" if len(g.others) > 12 else "")
-            lines.append(f"  {'':<8} {'':<20} also {len(g.others)} more layer(s): {names}")
-        lines.append(f"  {'':<8} {'':<20} → {f.advice}")
+            lines.append(f"  {pad}{'':<8} {'':<20} also {len(g.others)} more layer(s): {names}")
+        if not f.cause:  # a consequence's remedy is its cause's, said there
+            lines.append(f"  {'':<8} {'':<20} → {f.advice}")
     return "\n".join(lines)
 
 
@@ -41,9 +44,11 @@ def layer_table(m: pl.DataFrame) -> str:
     act = m.filter(pl.col("stream") == "activation")
     act = last_reading(act, "run", "layer")
     grad = m.filter(pl.col("stream") == "param_grad")
-    grad = last_reading(grad, "run", "layer").select("run", "layer", "grad_norm")
-    t = act.drop("grad_norm").join(grad, on=["run", "layer"], how="full", coalesce=True).sort(
-        "run", "layer_index", nulls_last=True)
+    grad = last_reading(grad, "run", "layer").select("run", "layer", pl.col("layer_index").alias("_grad_index"),
+                                                     "grad_norm")
+    t = act.drop("grad_norm").join(grad, on=["run", "layer"], how="full", coalesce=True).with_columns(
+        pl.coalesce("layer_index", "_grad_index").alias("layer_index")).sort("run", "layer_index", "layer",
+                                                                              nulls_last=True, maintain_order=True)
     width = max([len(shown(n)) for n in t["layer"].to_list()] + [5])  # names shown whole: query, key, value
     header = f"  {'layer':<{width}} {'kind':<10} {'units':>6} {'step':>7} {'dead':>6} {'dorm':>6} {'sparse':>7} " \
              f"{'sat.v':>6} {'sat.u':>6} {'mean':>9} {'std':>9} {'grad':>9}"
@@ -65,9 +70,13 @@ def layer_table(m: pl.DataFrame) -> str:
     return "\n".join(lines + [legend])
 
 
-def format_parting(d: Diff, baseline: str, runs: list[str]) -> str:
+NO_BASELINE = ("no baseline chosen, so no run is compared with another: name one with --baseline RUN (or "
+               "--baseline KEY=VALUE for the runs whose config holds it), or put baseline = \"RUN\" in actrace.toml")
+
+
+def format_parting(d: Diff, baseline, runs: list[str]) -> str:
     """Where each run parts from the baseline (analyzer.diff): only differences outside its band."""
-    return f"against the baseline run {shown(baseline)} (actrace diff: differences outside its band only):\n" + \
+    return f"against the baseline {shown(baseline.said)} (actrace diff: differences outside its band only):\n" + \
         "\n".join("  " + line for line in as_text(d, runs).splitlines())
 
 

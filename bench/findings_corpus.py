@@ -85,17 +85,17 @@ def _healthy() -> list[Case]:
 K = 100  # the step pathologies are injected at, mid-run
 PATHOLOGICAL = [
     Case("kill-relu2", "mlp", inject=("bias", K, dict(module="fc2", value=-100.0)),
-         rules=("dead_growing", "dead_high"), layers=("relu2",), at=K),
+         rules=("layer_dead", "dead_growing", "dead_high"), layers=("relu2",), at=K),
     Case("kill-half-relu1", "mlp", "sgdm", 0.05, inject=("bias", K, dict(module="fc1", value=-100.0, units=32)),
-         rules=("dead_growing", "dead_high"), layers=("relu1",), at=K, seed=1),
+         rules=("layer_dead", "dead_growing", "dead_high"), layers=("relu1",), at=K, seed=1),
     Case("kill-bert-ffn", "bert", "adamw", 2e-3, inject=("bias", K, dict(
         module="bert.encoder.layer.1.intermediate.dense", value=-1e4, units=40)),
-         rules=("dead_growing", "dead_high"), layers=("*layer.1.intermediate*",), at=K),
+         rules=("layer_dead", "dead_growing", "dead_high"), layers=("*layer.1.intermediate*",), at=K),
     # one unit of fc2 killed every 10 steps from step 60: a layer dying slowly, never by much at once
     Case("dying-slow-relu2", "mlp", inject=("drip", 60, dict(module="fc2", value=-100.0, every=10)),
          rules=("dead_growing",), layers=("relu2",), at=60, window=True),
     Case("dying-relu-lr", "mlp", inject=("lr", K, dict(module="fc2", factor=300.0)),
-         rules=("dead_growing", "dead_high"), layers=("relu2", "relu3"), at=K),
+         rules=("layer_dead", "dead_growing", "dead_high"), layers=("relu2", "relu3"), at=K),
     Case("saturate-tanh2", "mlp", model=dict(act="tanh"), inject=("bias", K, dict(module="fc2", value=6.0, add=True)),
          rules=("saturation_growing", "saturation_high", "saturation_spike", "units_pinned"), layers=("tanh2",), at=K),
     Case("lstm-forget-pinned", "lstm", "adam", 3e-3, inject=("bias", K, dict(module="lstm", value=12.0, gate=1)),
@@ -122,7 +122,7 @@ PATHOLOGICAL = [
     Case("nan-planted-gpt2", "gpt2", "adamw", 2e-3, inject=("nan", K + 11, dict(module="transformer.h.1.mlp.c_fc")),
          rules=("nan_inf",), layers=("transformer.h.1.mlp.c_fc",), at=K + 11),
     Case("dead-then-diverge", "mlp", "adam", 1e-3, inject=("ramp", 60, dict(rate=1.05)),
-         rules=("dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
+         rules=("layer_dead", "dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
     # spec 1.3: units made to barely fire (not dead), attention and output logits grown step by step
     # (shrunk ×0.8 every step, relu2's units barely fire from ~step 140 and die by the end: dormant said on
     # the way by a live monitor, dead at the end; fc2's outputs are no activation's, read dormant by no rule)

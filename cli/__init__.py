@@ -65,24 +65,32 @@ def analysis(args):
     """Every trace read once, with the analyzer commands' common options."""
     from actrace.analyzer.analysis import analyze
     from actrace.analyzer.compare import load_mapping
-    from actrace.analyzer.findings import ADVICE
     from actrace.analyzer.metrics import Thresholds
+    from actrace.analyzer.rules import REGISTRY, Rules
 
     th = Thresholds(args.dead_eps, args.sat_threshold, args.dormant_tau)
-    unknown = sorted(set(getattr(args, "allow", ())) - set(ADVICE))
+    unknown = sorted(set(getattr(args, "allow", ())) - set(REGISTRY))
     if unknown:
-        raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(ADVICE))}")
+        raise ValueError(f"--allow {unknown[0]!r} is not a rule; the rules are {', '.join(sorted(REGISTRY))}")
     if getattr(args, "output", None):  # refused before any work: an input, a link, another kind of file
         from actrace.files.output import check
 
         check(args.output, output_kind(args), trace_sources(args.paths), args.force)
     progress("reading traces, computing metrics and findings")
-    a = analyze(args.paths, th, mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
+    a = analyze(args.paths, th, Rules(**given_thresholds(args)),
+                mapping=load_mapping(args.mapping) if args.mapping else None, x=args.x,
                 skip_invalid=args.skip_invalid, engine=args.engine, spark=spark_settings(args))
     if not a.read and args.command not in ("check", "findings"):  # those two say why: run_empty, run_unfinished
         said = "; ".join(f.evidence for f in a.findings if f.rule in ("run_empty", "run_unfinished"))
         raise ValueError(f"no readings in {' '.join(args.paths)}" + (f" ({said})" if said else ""))
     return a
+
+
+def given_thresholds(args) -> dict:
+    """The rule thresholds given on the command line (the registry's flags), by name."""
+    from actrace.analyzer.rules import THRESHOLDS
+
+    return {name: getattr(args, name) for name in THRESHOLDS if getattr(args, name, None) is not None}
 
 
 def spark_settings(args) -> dict:
@@ -116,21 +124,23 @@ def emit(text: str, args, what: str) -> None:
 
 
 def cmd_summary(args) -> int:
-    from actrace.analyzer.summary import format_findings, format_parting, layer_table, machine_metrics
+    from actrace.analyzer.summary import NO_BASELINE, format_findings, format_parting, layer_table, machine_metrics
 
     a = analysis(args)
     if args.format != "text":
         emit(machine_metrics(a.metrics, args.format), args, f"{a.metrics.height} metric rows")
         return 0
-    progress("comparing runs")
-    parted = a.parted(args.baseline)
+    baseline = a.baseline(args.baseline)
+    if baseline is not None:
+        progress("comparing runs")
+        parted = a.parted(baseline)
     print(format_findings(a.findings))
     print()
     print(layer_table(a.latest))
-    others = [m["run_name"] for m in a.runs if m["run_name"] != (args.baseline or a.baseline)]
-    if others:
+    others = [m["run_name"] for m in a.read if baseline is None or m["run_name"] not in baseline.runs]
+    if len(a.read) > 1 or baseline is not None:
         print()
-        print(format_parting(parted, args.baseline or a.baseline, others))
+        print(format_parting(parted, baseline, others) if baseline is not None else NO_BASELINE)
     if args.by:
         from actrace.analyzer.sweep import as_text, sweep
 
@@ -144,7 +154,7 @@ def cmd_report(args) -> int:
     from actrace.analyzer.summary import format_findings
 
     a = analysis(args)
-    page = build_report(a, baseline=args.baseline, progress=progress)
+    page = build_report(a, baseline=a.baseline(args.baseline), progress=progress)
     emit(page, args, "the report")
     print(format_findings(a.findings))
     print(f"report: {args.output} ({len(page.encode()) / 2**20:.1f} MiB; open it in any browser, it works offline)")
@@ -162,18 +172,18 @@ def cmd_findings(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from actrace.analyzer.check import LIMITS, as_json, as_junit, as_text, violations
+    from actrace.analyzer.check import as_json, as_junit, as_text, gate
 
     a = analysis(args)
     runs = [meta.get("run_name") for meta in a.runs]
-    limits = {k: getattr(args, k) for k in LIMITS if getattr(args, k) is not None}
-    bad = violations(a.latest, a.findings, runs, limits=limits, no_nan=args.no_nan, fail_on=args.fail_on,
-                     allow=set(args.allow))
-    gates = ["findings", *limits]
-    text = {"text": lambda: as_text(bad), "json": lambda: as_json(bad, runs),
-            "junit": lambda: as_junit(bad, runs, gates)}[args.format]()
+    g = gate(a.latest, a.findings, runs, given=given_thresholds(args), no_nan=args.no_nan, fail_on=args.fail_on,
+             allow=set(args.allow), strict=args.strict, require_finished=args.require_finished)
+    if args.format != "text":
+        for note in g.notes:  # said once, beside the machine's answer
+            print(f"actrace check: note: {note}", file=sys.stderr)
+    text = {"text": lambda: as_text(g), "json": lambda: as_json(g), "junit": lambda: as_junit(g)}[args.format]()
     emit(text, args, f"the check of {len(runs)} run(s)")
-    return 1 if bad else 0
+    return 0 if g.passed else 1
 
 
 def cmd_diff(args) -> int:
@@ -379,10 +389,23 @@ def count(text: str) -> int:
     return int(text)
 
 
+def version() -> str:
+    """The package's version, the trace format's and the rules'."""
+    from actrace.format.metadata import __version__
+    from actrace.format.schema import SPEC_VERSION
+
+    try:
+        from actrace.analyzer.rules import RULES_VERSION
+    except ModuleNotFoundError:  # the analyzer's extra is not installed
+        RULES_VERSION = "(not installed: pip install 'actrace[report]')"
+    return f"actrace {__version__} (trace format {SPEC_VERSION}, rules {RULES_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actrace", description=__doc__.split(":")[0] + ": per-layer "
                                      "activation and gradient health traces.", epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("demo", help="train five small runs that go wrong in the classic ways, record and report",
                        description="The main job on built-in synthetic data (no downloads, about a minute on two "
@@ -425,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 
+    try:
+        from actrace.analyzer.rules import THRESHOLDS
+    except ModuleNotFoundError:  # the analyzer's extra is not installed: its commands say so when run
+        THRESHOLDS = {}
+
     def analyzer_command(name, help_text, func):
         p = sub.add_parser(name, help=help_text, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("paths", nargs="+", metavar="PATH", help="trace files, .parts dirs, globs or folders")
@@ -434,7 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="saturated when within (1-T) of a bound, e.g. |tanh| >= T (default 0.99)")
         p.add_argument("--dormant-tau", type=number(), default=0.1, metavar="TAU",
                        help="a live unit is dormant when its RMS is <= TAU x the layer's mean unit RMS (default 0.1)")
-        p.add_argument("--baseline", metavar="RUN", help="run the others are compared with (default: the first)")
+        p.add_argument("--baseline", metavar="RUN", help="run the others are compared with, or KEY=VALUE: the runs "
+                       "whose config holds it (a baseline's seeds); default: baseline = \"RUN\" in actrace.toml, "
+                       "else none (never the file that sorts first)")
         p.add_argument("--x", choices=["step", "progress"], default="step",
                        help="align runs by step or by fraction of training")
         p.add_argument("--mapping", metavar="FILE", help="layer alignment: CSV run,layer,aligned or JSON")
@@ -452,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--spark-scratch", metavar="URL",
                        help="--engine spark on a cluster: a folder the cluster writes the metric table to and this "
                             "machine reads (e.g. s3://bucket/tmp; default in local mode: a temporary folder here)")
+        rules = p.add_argument_group("rule thresholds", "each findings rule's limits (docs/rulebook.md); check "
+                                     "also gates every rule a threshold given here is read by")
+        for t in THRESHOLDS.values():
+            rules.add_argument(t.flag, type=count if t.whole else number(t.low, t.high), metavar="N" if t.whole else "X",
+                               help=f"{t.help} (default {t.default if t.default is not None else 'off'})")
         p.set_defaults(func=func)
         return p
 
@@ -497,16 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="json/csv: one record per finding (severity, rule, run, layer, stream, step, evidence, "
                         "advice, score)")
     p.add_argument("-o", "--output", help="write here instead of stdout")
-    p = analyzer_command("check", "CI gate: fails (exit 1) on critical findings, unfinished runs and the "
-                         "thresholds given", cmd_check)
-    p.add_argument("--max-dead", type=number(0, 1), metavar="F", help="fail when a layer's dead fraction exceeds F")
-    p.add_argument("--max-saturation", type=number(0, 1), metavar="F",
-                   help="fail when a layer's saturated share of values exceeds F")
-    p.add_argument("--max-saturation-units", type=number(0, 1), metavar="F",
-                   help="fail when a layer's share of units pinned at a bound for every input exceeds F")
+    p = analyzer_command("check", "CI gate: a verdict per run; exit 1 on critical findings, unfinished runs and "
+                         "the rules of the thresholds given; exit 2 on refused input", cmd_check)
     p.add_argument("--no-nan", action="store_true", help="fail on any NaN or Inf")
-    p.add_argument("--min-grad-norm", type=number(0), metavar="G", help="fail when a layer's gradient norm is below G")
-    p.add_argument("--max-grad-norm", type=number(0), metavar="G", help="fail when a layer's gradient norm exceeds G")
+    p.add_argument("--strict", action="store_true",
+                   help="fail a run where a threshold given has nothing to read (default: said once, not failed)")
+    p.add_argument("--require-finished", action="store_true",
+                   help="fail a run still being written (default: its verdict is 'running')")
     p.add_argument("--fail-on", choices=["critical", "warning", "never"], default="critical",
                    help="fail on findings of this severity or worse (default critical: NaN, dying units, vanishing "
                         "or exploding gradients, and runs that failed, stopped or never closed); never: only the "
@@ -514,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow", action="append", default=[], metavar="RULE",
                    help="accept findings of this rule (repeatable), e.g. --allow dead_high")
     p.add_argument("--format", choices=["text", "json", "junit"], default="text",
-                   help="json: {passed, runs, violations}; junit: one test case per run and rule, for CI systems")
+                   help="json: {passed, rules_version, runs: [{run, verdict, failed_rules}], violations, notes}; "
+                        "junit: one test case per run and rule, for CI systems")
     p.add_argument("-o", "--output", help="write the answer here instead of stdout")
     return parser
 

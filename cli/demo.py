@@ -28,6 +28,7 @@ class DemoRun:
     ramp_from: tuple[int, float] | None = None  # (step, rate): from there, multiplied by rate at every step
 
 
+BASELINE = "healthy-relu"  # what the report compares every other run with
 RUNS = [
     DemoRun("healthy-relu", "a ReLU MLP trained sensibly: nothing should be flagged"),
     DemoRun("dying-relu", "the learning rate raised 30x at step 200: ReLU units die, more and more", lr_from=(200, 30.0)),
@@ -172,11 +173,13 @@ def _run_demo(out_dir: Path) -> int:
     traces.append(onnx_trace)
     say(f"[{len(RUNS) + 2}/{len(RUNS) + 2}] analyzing {len(traces)} traces")
     analysis = analyze(traces)
-    report = write(out_dir / "report.html", build_report(analysis, progress=lambda msg: say(f"  {msg}…")), "report",
-                   traces)
+    baseline = analysis.baseline(BASELINE)  # the run meant to be healthy, chosen: never the file that sorts first
+    report = write(out_dir / "report.html", build_report(analysis, baseline=baseline,
+                                                         progress=lambda msg: say(f"  {msg}…")), "report", traces)
     print(format_findings(analysis.findings))
     print(f"\ntraces:  {runs_dir}/  ({len(traces)} runs: {', '.join(p.stem for p in traces)})")
     print(f"report:  {report}  (open it in a browser; it works offline)")
-    print(f"again:   actrace summary {runs_dir}   |   actrace report {runs_dir}/*.parquet -o report.html")
+    print(f"again:   actrace summary {runs_dir} --baseline {BASELINE}   |   actrace report {runs_dir}/*.parquet -o "
+          f"report.html --baseline {BASELINE}")
     say(f"demo finished in {time.perf_counter() - t0:.0f} s")
     return 0

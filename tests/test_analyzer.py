@@ -138,7 +138,7 @@ def test_the_loss_is_said_to_move_as_its_medians_read(before, later, said):
     """The evidence never contradicts its numbers: a loss whose medians print alike (2.2906 → 2.2904)
     held level, it does not "still fall"; a minibatch loss's noise (a median within the spread of
     the values before) is no rise."""
-    from actrace.analyzer.findings import _loss_rose
+    from actrace.analyzer.rules._shared import loss_rose as _loss_rose
 
     values = (before * 10)[:10] + [later] * 10
     rose, evidence = _loss_rose(pl.DataFrame({"step": list(range(20)), "value": values}), 0, 10, 19)

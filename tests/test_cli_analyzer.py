@@ -20,12 +20,18 @@ def runs(tmp_path_factory):
     return d
 
 
-def test_summary_prints_findings_and_a_per_layer_table(cli, runs):
+def test_summary_prints_findings_and_a_per_layer_table(cli, runs, tmp_path):
     res = cli("summary", runs / "healthy.parquet", runs / "dying.parquet")
     assert res.returncode == 0, res.stderr
     assert "CRITICAL dead_growing" in res.stdout and "dying / block2.relu" in res.stdout
     assert "run healthy" in res.stdout and "block5.relu" in res.stdout
-    assert "against the baseline run healthy (actrace diff: differences outside its band only)" in res.stdout
+    assert "no baseline chosen, so no run is compared with another" in res.stdout  # never the first file's run
+    res = cli("summary", runs / "dying.parquet", runs / "healthy.parquet", "--baseline", "healthy")
+    assert "against the baseline healthy (chosen by --baseline) (actrace diff: differences outside its band " \
+           "only)" in res.stdout
+    (tmp_path / "actrace.toml").write_text('baseline = "healthy"\n')  # a project's own choice
+    res = cli("summary", runs / "dying.parquet", runs / "healthy.parquet", cwd=tmp_path)
+    assert f"against the baseline healthy (chosen by {tmp_path / 'actrace.toml'})" in res.stdout, res.stdout
 
 
 def test_the_summary_shows_dormancy_of_activation_functions_only(cli, tmp_path):
@@ -57,7 +63,9 @@ def test_summary_csv_and_json_have_the_documented_columns(cli, runs):
 
 def test_check_exits_one_on_violations_and_zero_when_clean(cli, runs):
     bad = cli("check", runs / "dying.parquet", "--max-dead", "0.2")
-    assert bad.returncode == 1 and "dying / block2.relu: dead fraction 0.625" in bad.stdout
+    assert bad.returncode == 1 and "  dying: failed (dead_growing)" in bad.stdout
+    assert "dying / block2.relu: critical finding dead_growing since step 0: dead fraction rose from 0% at step 0 to " \
+           "62% at step 500" in bad.stdout
     ok = cli("check", runs / "healthy.parquet", "--max-dead", "0.2", "--no-nan")
     assert ok.returncode == 0 and "check: passed" in ok.stdout
     nan = cli("check", runs / "nan.parquet", "--no-nan")
@@ -72,7 +80,8 @@ def test_check_without_rules_fails_on_critical_findings(cli, runs):
 @pytest.mark.parametrize("args,message", [
     (["summary", "nowhere/*.parquet"], "no trace matches"),
     (["summary", "--sat-threshold", "1.5", "X"], "--sat-threshold must lie in (0, 1)"),
-    (["summary", "--baseline", "zzz", "R"], "--baseline 'zzz' is not one of the runs"),
+    (["summary", "--baseline", "zzz", "R"], "--baseline 'zzz' is neither a run (dying, healthy, nan) nor a config "
+                                           "KEY=VALUE"),
     # NaN compares false with every limit: a NaN threshold would switch its gate off, a NaN ε every death
     (["check", "--max-dead", "nan", "X"], "argument --max-dead: 'nan': expected a finite number in [0, 1]"),
     (["check", "--max-grad-norm", "NaN", "X"], "argument --max-grad-norm: 'NaN': expected a finite number at least 0"),
@@ -96,7 +105,8 @@ def test_a_mapping_file_aligns_layers_of_differently_named_runs(cli, tmp_path):
     write_run(tmp_path / "b.parquet", "b", depth=3, dead=lambda s: 16, layer_names=["x0", "x1", "x2", "out"])
     (tmp_path / "map.csv").write_text("run,layer,aligned\nb,x0,block0.relu\nb,x1,block1.relu\n"
                                       "b,x2,block2.relu\nb,out,head.tanh\n")
-    res = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "map.csv")
+    res = cli("summary", tmp_path / "a.parquet", tmp_path / "b.parquet", "--mapping", tmp_path / "map.csv",
+              "--baseline", "a")
     assert res.returncode == 0, res.stderr
     # b's third layer, x2, is a's block2.relu: half its units dead from the start, the one difference
     assert "from the first readings apart" in res.stdout and ": dead fraction in x2" in res.stdout

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import actrace
+from actrace.analyzer.rules import REGISTRY, RULES_VERSION
 from actrace.format import metadata
 from conftest import HUNG
 from traces import write_run
@@ -121,8 +122,10 @@ def test_a_run_killed_before_its_first_flush_or_closed_empty_fails_the_gate_amon
         assert said.returncode == 0 and "Traceback" not in said.stderr, (command, said.stderr[-2000:])
     assert "run_unfinished" in cli("summary", runs).stdout
     assert actrace.read_table(runs).num_rows == actrace.read_table(runs / "healthy.parquet").num_rows  # nothing there
-    summary = cli("summary", runs / "empty.parquet", runs / "healthy.parquet")
-    assert summary.returncode == 0 and "against the baseline run healthy" in summary.stdout, summary.stderr
+    summary = cli("summary", runs / "empty.parquet", runs / "healthy.parquet")  # no baseline chosen: none taken
+    assert summary.returncode == 0 and "against the baseline" not in summary.stdout, summary.stderr
+    summary = cli("summary", runs / "empty.parquet", runs / "healthy.parquet", "--baseline", "healthy")
+    assert "against the baseline healthy (chosen by --baseline)" in summary.stdout, summary.stdout
     refused = cli("diff", runs / "empty.parquet", runs / "healthy.parquet")
     assert refused.returncode == 2 and "holds no reading: nothing to compare with" in refused.stderr
     said = cli("diff", runs / "healthy.parquet", runs / "empty.parquet", runs / "killed.parquet.parts")
@@ -140,7 +143,7 @@ def test_a_monitor_that_never_read_a_gradient_says_so_and_the_gate_fails_it(tmp_
     assert metadata.read(out)["status"] == "incomplete: no param_grad reading"
     gate = cli("check", out, "--min-grad-norm", "1e-8")
     assert gate.returncode == 1 and "stream_missing" in gate.stdout
-    assert "no param_grad reading with a gradient norm to check --min-grad-norm against" in gate.stdout
+    assert "note: --min-grad-norm: nothing to read in run no-step (no grad_norm there): not judged" in gate.stdout
 
 
 def test_step_called_after_zero_grad_is_said_at_the_step_and_at_close(tmp_path):
@@ -182,31 +185,39 @@ def test_thresholds_add_to_the_default_gate_and_allow_accepts_a_rule(cli, runs):
     assert bad.returncode == 2 and "--allow 'nan-inf' is not a rule" in bad.stderr
 
 
-def test_a_saturation_limit_with_no_bounded_layer_to_read_fails_as_any_limit_with_nothing_to_read(cli, runs, tmp_path):
+def test_a_limit_with_nothing_to_read_is_said_once_and_fails_only_under_strict(cli, runs, tmp_path):
     """Saturation is a bounded kind's (tanh, sigmoid): a ReLU net has no saturated share for
-    --max-saturation to read, which fails the gate; a run with a tanh below the limit passes."""
+    --max-saturation to read, which is said once and passes (two teams' gate over ReLU and tanh nets);
+    --strict fails it; a run with a tanh below the limit passes."""
     import numpy as np
 
     with actrace.Writer(tmp_path / "relu.parquet") as w:
         w.record_activation(0, "fc.relu", np.abs(np.random.default_rng(0).normal(size=(64, 8))).astype(np.float32),
                             kind="relu")
     gate = cli("check", tmp_path / "relu.parquet", "--max-saturation", "0.3")
-    assert gate.returncode == 1 and "no activation reading with a saturated share of values to check " \
-        "--max-saturation against" in gate.stdout, gate.stdout
+    assert gate.returncode == 0 and gate.stdout.count("note: --max-saturation: nothing to read in run relu (no "
+                                                      "saturation_value there)") == 1, gate.stdout
+    strict = cli("check", tmp_path / "relu.parquet", "--max-saturation", "0.3", "--strict", "--format", "json")
+    answer = json.loads(strict.stdout)
+    assert strict.returncode == 1 and answer["runs"] == [{"run": "relu", "verdict": "failed",
+                                                          "failed_rules": ["max_saturation"]}], strict.stdout
     assert cli("check", runs / "healthy.parquet", "--max-saturation", "0.3").returncode == 0
 
 def test_the_gate_answers_in_json_and_junit_with_numbers_as_numbers(cli, runs, tmp_path):
     res = cli("check", runs / "healthy.parquet", runs / "stable.parquet", "--max-dead", "0.5", "--format", "json")
     answer = json.loads(res.stdout)
-    assert res.returncode == 1 and answer["passed"] is False and answer["runs"] == ["healthy", "stable"]
+    assert res.returncode == 1 and answer["passed"] is False and answer["rules_version"] == RULES_VERSION
+    assert answer["runs"] == [{"run": "healthy", "verdict": "passed", "failed_rules": []},
+                              {"run": "stable", "verdict": "failed", "failed_rules": ["dead_high"]}]
     (v,) = [v for v in answer["violations"] if v["layer"] == "block2.relu"]
-    assert (v["gate"], v["run"], v["value"], v["threshold"], v["step"]) == ("max_dead", "stable", 0.75, 0.5, 500)
+    assert (v["gate"], v["run"], v["rule"], v["value"], v["threshold"], v["step"]) == (
+        "max_dead", "stable", "dead_high", 0.75, 0.5, 0)
     res = cli("check", runs / "healthy.parquet", runs / "nan.parquet", "--max-dead", "0.5", "--format", "junit",
               "-o", tmp_path / "junit.xml")
     suites = ET.parse(tmp_path / "junit.xml").getroot()
     cases = {(s.get("name"), c.get("name")): c.find("failure") is not None for s in suites for c in s}
-    assert cases == {("healthy", "findings"): False, ("healthy", "max_dead"): False,
-                     ("nan", "findings"): True, ("nan", "max_dead"): False}
+    assert set(cases) == {(run, rule) for run in ("healthy", "nan") for rule in [*REGISTRY, "max_dead"]}
+    assert {case for case, failed in cases.items() if failed} == {("nan", "nan_inf")}
 
 
 def test_findings_json_carries_numbers_and_the_python_api_gives_frames(cli, runs):
@@ -262,8 +273,10 @@ def test_a_nan_gradient_norm_fails_a_minimum_and_a_maximum_alike(tmp_path, cli):
                 w.record_param_grad(step, layer, "weight", g, kind="linear")
     for option, limit, bound in (("--min-grad-norm", "1e-6", "≥"), ("--max-grad-norm", "1e6", "≤")):
         gate = cli("check", path, "--fail-on", "never", option, limit)
-        assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [
-            f"t / b: gradient norm is NaN at step 2, not {bound} {float(limit):g}"], gate.stdout
+        rule = "grad_norm_low" if bound == "≥" else "grad_norm_high"  # judged though a NaN explains it: nan_inf
+        assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [  # is not gated here (--fail-on never)
+            f"  t: failed ({rule})", f"t / b: warning finding {rule} since step 2 (because of nan_inf@b): gradient "
+            f"norm is NaN at step 2, not {bound} {float(limit):g}"], gate.stdout
 
 
 def test_layers_cut_off_from_the_loss_are_named_and_frozen_or_unfrozen_ones_are_not(tmp_path, cli):
@@ -310,7 +323,7 @@ def test_layers_cut_off_from_the_loss_are_named_and_frozen_or_unfrozen_ones_are_
         "the loss (a .detach(), torch.no_grad) or unused; the trace says so"]
     gate = cli("check", out, "--fail-on", "warning")
     assert gate.returncode == 1 and gate.stdout.splitlines()[1:] == [
-        "cut / fc1: warning finding gradient_missing: 2 parameter(s) of 1 layer(s) required a gradient and never got "
+        "  cut: failed (gradient_missing)", "cut / fc1: warning finding gradient_missing: 2 parameter(s) of 1 layer(s) required a gradient and never got "
         "one: fc1/weight, fc1/bias"], gate.stdout
     assert cli("check", out).returncode == 0
 

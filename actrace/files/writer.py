@@ -127,6 +127,24 @@ def lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+def writer_holds(path: Path) -> bool:
+    """Whether a live writer holds the lock of the trace at `path` now (a local trace; its lock is
+    released by the system when its process dies, so a killed run's reads as free). Looked at without
+    creating or taking it for longer than the look."""
+    try:
+        import fcntl
+        fd = os.open(lock_path(path), os.O_RDONLY | os.O_NONBLOCK)
+    except (ImportError, OSError):  # no flock, no lock file, or not a local path: no writer seen
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # (closing drops the shared lock, if it was taken)
+    return False
+
+
 def _lock(path: Path):
     """The lock of one trace, held for its writer's life (`flock`, released by the system if the
     process dies): a second writer of the same trace fails at once, naming the holder."""
