@@ -21,7 +21,7 @@ KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", 
         "adapter_version", "host", "created", "config", "probe_fingerprint", "probe_size", "mode", "status", "aliases")
 
 
-__version__ = "0.1.0"  # this package's, written as `adapter_version` (pyproject reads it here)
+__version__ = "0.2.0"  # this package's, written as `adapter_version` (pyproject reads it here)
 
 
 class TraceError(Exception):
