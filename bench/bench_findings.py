@@ -78,6 +78,7 @@ class Score:
 
     said_at: int | None = None       # the first step at which a live monitor would have said a finding
     live: list = field(default_factory=list)  # a healthy run: what a live monitor said along the way
+    nested: list = field(default_factory=list)  # consequences, said under their cause
 
     @property
     def lead_time(self) -> int | None:
@@ -98,8 +99,8 @@ def live(a, run: str, steps) -> dict[int, list]:
     or worse): what a monitor watching the run live, or `actrace summary` of a running trace, says."""
     m, scalars = a.metrics.filter(pl.col("run") == run), a.scalars.filter(pl.col("run") == run)
     return {step: [f for f in findings(m.filter(pl.col("step") <= step), a.rules, (), a.th,
-                                       scalars.filter(pl.col("step") <= step)) if f.severity != "info"]
-            for step in steps}
+                                       scalars.filter(pl.col("step") <= step))
+                   if f.severity != "info" and f.cause is None] for step in steps}
 
 
 def first_said(a, run: str, until: int) -> int | None:
@@ -126,12 +127,14 @@ def score(cases: list[Case], paths: dict[str, Path]) -> list[Score]:
     for case in cases:
         loss = scalars.filter((pl.col("run") == case.name) & (pl.col("name") == "loss")).sort("step")["value"]
         loss = loss.to_numpy()
-        found = [f for f in a.findings if f.run == case.name and f.severity != "info"]
+        said_all = [f for f in a.findings if f.run == case.name and f.severity != "info"]
+        found = [f for f in said_all if f.cause is None]  # a consequence is said under its cause, not apart
         d = diverged_at(loss)
         said = first_said(a, case.name, d + PROBE_EVERY) if d is not None else None
         along = {(f.severity, f.rule, f.layer): f for fs in live(a, case.name, range(0, STEPS, PROBE_EVERY)).values()
                  for f in fs} if case.healthy else {}
-        out.append(Score(case, loss, found, d, [f for f in found if matches(case, f, d)], said, list(along.values())))
+        out.append(Score(case, loss, found, d, [f for f in found if matches(case, f, d)], said, list(along.values()),
+                         [f for f in said_all if f.cause is not None]))
     return out
 
 
@@ -156,7 +159,11 @@ def table(scores: list[Score]) -> str:
     found = sum(bool(s.matched) for s in sick)
     live_crit = sum(f.severity == "critical" for s in healthy for f in s.live)
     live_warn = sum(f.severity == "warning" for s in healthy for f in s.live)
-    lines += ["", f"**Healthy runs**: {crit} false criticals, {warn} false warnings "
+    nested = sum(len(s.nested) for s in sick)
+    lines += ["", f"**Causes before consequences**: {nested} findings of the pathological runs are consequences, said "
+                  "under their cause (a dead layer's zero gradients below it, everything after a NaN, a collapse's "
+                  "drifting means): none of them counts, gates or is listed apart.",
+              "", f"**Healthy runs**: {crit} false criticals, {warn} false warnings "
                   f"({warn / max(len(healthy), 1) * 10:.1f} per 10 runs) at the end of the run; read live at every "
                   f"probe reading, {live_crit} false criticals and {live_warn} false warnings said along the way; "
                   f"{sum(not s.trains for s in healthy)} whose loss did not fall.",
@@ -187,7 +194,9 @@ def details(scores: list[Score]) -> str:
             if not s.trains:
                 lines.append(f"  NOT TRAINING     {s.case.name}: loss {s.loss[:5].mean():.3g} → {s.loss[-20:].mean():.3g}")
         else:
-            said = "; ".join(f"{f.severity[0].upper()} {f.rule} {f.layer} @{f.step}" for f in s.findings) or "nothing"
+            said = "; ".join(f"{f.severity[0].upper()} {f.rule} {f.layer} @{f.step}" + "".join(
+                f" [then {g.rule} {g.layer} @{g.step}]" for g in s.nested if g.cause == f.key) for f in s.findings) \
+                or "nothing"
             lines.append(f"  {'found ' if s.matched else 'MISSED'} {s.case.name} (want {'|'.join(s.case.rules)} at "
                          f"{'|'.join(s.case.layers)} @{s.case.at}{'+' if s.case.window else ''}): {said}")
     return "\n".join(lines)

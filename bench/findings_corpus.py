@@ -33,7 +33,9 @@ class Case:
     family: str
     optimizer: str = "adam"
     lr: float = 1e-3
-    schedule: str = "constant"       # or "warmup-cosine"
+    schedule: str = "constant"       # or "warmup-cosine", "restarts" (cosine, warm restarts), "one-cycle"
+    recipe: str = ""                 # "smooth" (label smoothing), "mixup", "bad-batch" (one corrupted batch at K),
+    #                                  "curriculum" (the data shifts at K), "grad-bug" (gradients ×1000 from K)
     clip: float | None = None
     seed: int = 0
     model: dict = field(default_factory=dict)   # the family's builder options
@@ -66,7 +68,19 @@ def _healthy() -> list[Case]:
               Case("mlp-relu-few-dead-sgd", "mlp", "sgdm", 0.05, model=dict(act="relu", dead_at_init=2), seed=3),
               Case("mlp-relu-clip", "mlp", "sgdm", 0.1, clip=1.0, seed=4),
               # a linear probe, then fine-tuning: the body frozen (no update at all) until step K
-              Case("mlp-relu-lpft", "mlp", "adam", 1e-3, inject=("freeze", K, dict(keep="head")), seed=6)]
+              Case("mlp-relu-lpft", "mlp", "adam", 1e-3, inject=("freeze", K, dict(keep="head")), seed=6),
+              # rules 2.0's recipes: schedules, losses and data that move the numbers while training is healthy
+              Case("mlp-relu-restarts", "mlp", "sgdm", 0.05, "restarts", seed=7),
+              Case("mlp-gelu-one-cycle", "mlp", "adamw", 3e-3, "one-cycle", model=dict(act="gelu"), seed=8),
+              Case("mlp-relu-label-smoothing", "mlp", "adam", 1e-3, recipe="smooth", seed=9),
+              Case("mlp-tanh-mixup", "mlp", "adam", 3e-3, recipe="mixup", model=dict(act="tanh"), seed=10),
+              # one corrupted batch (inputs ×30) at step K: a loss and gradient spike the run recovers from
+              Case("mlp-relu-bad-batch", "mlp", "adam", 1e-3, recipe="bad-batch", seed=11),
+              Case("mlp-gelu-curriculum", "mlp", "adam", 1e-3, recipe="curriculum", model=dict(act="gelu"), seed=12),
+              Case("mlp-relu-staged-unfreeze", "mlp", "adam", 1e-3, inject=("stages", 0, dict(at=(60, 100, 140))),
+                   seed=13),
+              Case("cnn-bn-bad-batch", "cnn", "adam", 1e-3, recipe="bad-batch", seed=2),
+              Case("transformer-restarts", "transformer", "adamw", 1e-3, "restarts", seed=3)]
     cases += [Case("cnn-bn-sgdm", "cnn", "sgdm", 0.05), Case("cnn-bn-adam", "cnn", "adam", 1e-3),
               Case("cnn-bn-adamw-cosine", "cnn", "adamw", 3e-3, "warmup-cosine"),
               Case("cnn-bn-sgdm-clip", "cnn", "sgdm", 0.1, clip=1.0, seed=1)]
@@ -121,6 +135,16 @@ PATHOLOGICAL = [
          rules=("nan_inf",), layers=("conv2",), at=K + 3),
     Case("nan-planted-gpt2", "gpt2", "adamw", 2e-3, inject=("nan", K + 11, dict(module="transformer.h.1.mlp.c_fc")),
          rules=("nan_inf",), layers=("transformer.h.1.mlp.c_fc",), at=K + 11),
+    # held out by rules 2.0: three ReLU layers killed by Adam at lr 0.3 (the cause: dead layers, not vanishing
+    # gradients), and a bug multiplying every gradient by 1000 from step K (the loss hits ~100 at one step)
+    Case("dead-adam-lr0.3", "mlp", "adam", 0.3, rules=("layer_dead", "dead_growing", "dead_high"),
+         layers=("relu*", "fc*"), at=40, seed=14),
+    # the same corrupted batch under SGD with momentum: its one huge step kills ReLU units (a data bug's damage)
+    Case("bad-batch-kills-sgd", "mlp", "sgdm", 0.05, recipe="bad-batch", rules=("layer_dead", "dead_growing",
+                                                                                 "dead_high"),
+         layers=("relu2", "relu3"), at=K, seed=11),
+    Case("grad-bug-x1000", "mlp", "sgdm", 0.05, recipe="grad-bug", rules=("exploding_gradients", "nan_inf"), at=K,
+         window=True, seed=15),
     Case("dead-then-diverge", "mlp", "adam", 1e-3, inject=("ramp", 60, dict(rate=1.05)),
          rules=("layer_dead", "dead_growing", "dead_high", "exploding_gradients", "nan_inf"), at=60, window=True),
     # spec 1.3: units made to barely fire (not dead), attention and output logits grown step by step
@@ -241,10 +265,17 @@ def _logits(out):
 
 
 def loss_of(torch, case: Case, model, x, y):
+    smoothing = 0.1 if case.recipe == "smooth" else 0.0
+    if case.recipe == "mixup" and model.training:  # inputs and targets mixed with a shuffled copy of the batch
+        lam, perm = 0.7, torch.randperm(len(x))
+        logits = _logits(model(lam * x + (1 - lam) * x[perm]))
+        ce = torch.nn.functional.cross_entropy
+        return lam * ce(logits, y) + (1 - lam) * ce(logits, y[perm])
     logits = _logits(model(x))
     if case.family in ("gpt2", "llama"):  # next token
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1))
-    return torch.nn.functional.cross_entropy(logits, y)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
+                                                 label_smoothing=smoothing)
+    return torch.nn.functional.cross_entropy(logits, y, label_smoothing=smoothing)
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -263,6 +294,11 @@ def _optimizer(torch, case: Case, model):
 
 
 def _schedule(case: Case, step: int) -> float:
+    if case.schedule == "restarts":  # cosine annealing, restarted every 50 steps
+        return 0.5 * (1 + math.cos(math.pi * (step % 50) / 50))
+    if case.schedule == "one-cycle":  # up to 10× over the first 30 %, then annealed to 0
+        peak = int(0.3 * STEPS)
+        return 0.1 + 0.9 * step / peak if step < peak else 0.5 * (1 + math.cos(math.pi * (step - peak) / (STEPS - peak)))
     if case.schedule == "warmup-cosine":
         warm = STEPS // 10
         return (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (STEPS - warm)))
@@ -275,6 +311,13 @@ def _inject(torch, case: Case, step: int, model, opt, base_lrs) -> None:
     if not case.inject:
         return
     what, at, o = case.inject
+    if what == "stages":  # the head alone first, then one more block from the top at each of `at`
+        blocks = sorted({name.split(".")[0] for name, _ in model.named_parameters()} - {"head"}, reverse=True)
+        if step == 0 or step in o["at"]:
+            thawed = {"head", *blocks[: sum(step >= a for a in o["at"])]}
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.split(".")[0] in thawed)
+        return
     if what == "freeze":  # every module but `keep` frozen from the start until `at`
         if step in (0, at):
             for name, p in model.named_parameters():
@@ -322,7 +365,8 @@ def train(case: Case, out: Path) -> Path:
     model = build(torch, case)
     opt = _optimizer(torch, case, model)
     base_lrs = [group["lr"] for group in opt.param_groups]
-    config = dict(corpus=VERSION, family=case.family, optimizer=case.optimizer, lr=case.lr, schedule=case.schedule, clip=case.clip,
+    config = dict(corpus=VERSION, family=case.family, optimizer=case.optimizer, lr=case.lr, schedule=case.schedule,
+                  recipe=case.recipe, clip=case.clip,
                   healthy=case.healthy, inject=list(case.inject[:2]) if case.inject else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -333,12 +377,20 @@ def train(case: Case, out: Path) -> Path:
                 for group, lr in zip(opt.param_groups, base_lrs):
                     group["lr"] = lr * _schedule(case, step)
                 x, y = batch(BATCH)
+                if case.recipe == "bad-batch" and step == K:
+                    x = x * 30.0 if x.is_floating_point() else x  # one corrupted batch
+                if case.recipe == "curriculum" and step >= K:
+                    x = 1.5 * x + 0.5  # the data distribution shifts (the probe stays the same)
                 model.train()
                 loss = loss_of(torch, case, model, x, y)
                 if case.inject and case.inject[0] == "loss" and step == case.inject[1]:
                     loss = loss * case.inject[2]["value"]
                 opt.zero_grad()
                 loss.backward()
+                if case.recipe == "grad-bug" and step >= K:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(1000.0)
                 mon.step(step)
                 mon.log(step, loss=loss, lr=opt.param_groups[0]["lr"])
                 if case.clip:
