@@ -148,12 +148,14 @@ def test_the_loss_is_said_to_move_as_its_medians_read(before, later, said):
 def test_gradients_exploding_while_the_loss_holds_level_are_a_warning_as_without_a_loss(tmp_path):
     """Gradients ×4 per reading from step 1000; the loss a minibatch's, alternating 1.9/2.1, +0.05 from
     there (within its spread): neither a rise nor a fall, so the explosion is judged as without a
-    loss (100×, a warning), never dropped as if the loss fell."""
-    kw = dict(steps=range(0, 2000, 50), grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
-    write_run(tmp_path / "level.parquet", "level", loss=lambda s: 2.0 + 0.1 * (-1) ** (s // 50) + 0.05 * (s >= 1000),
-              **kw)
-    (f,) = [f for f in analysis_of(tmp_path / "level.parquet").findings if f.rule == "exploding_gradients"]
-    assert f.severity == "warning" and f.threshold == 100 and "the loss held level" in f.evidence
+    loss (100×), never dropped as if the loss fell: a warning while it stays under 1000× its history
+    (capped at 4^4 = 256× here), critical where it goes on past that (4^10 by the end: rules 2.0)."""
+    for cap, severity in ((4, "warning"), (10, "critical")):
+        kw = dict(steps=range(0, 2000, 50), grad_scale=lambda s, i: 0.5 * 4 ** min(cap, max(0, s / 100 - 10)))
+        write_run(tmp_path / "level.parquet", "level", loss=lambda s: 2.0 + 0.1 * (-1) ** (s // 50) + 0.05 * (s >= 1000),
+                  **kw)
+        (f,) = [f for f in analysis_of(tmp_path / "level.parquet").findings if f.rule == "exploding_gradients"]
+        assert f.severity == severity and f.threshold == 100 and "the loss held level" in f.evidence, f
 
 
 def test_a_run_s_findings_come_in_the_order_they_started_a_cause_before_what_follows(tmp_path):
@@ -172,11 +174,12 @@ def test_a_run_s_findings_come_in_the_order_they_started_a_cause_before_what_fol
     assert found[0][2] < found[1][2]
 
 
-def test_without_a_logged_loss_growth_must_be_larger_and_is_only_a_warning(runs, tmp_path):
-    write_run(tmp_path / "e.parquet", "e", steps=range(0, 2000, 100),
-              grad_scale=lambda s, i: 0.5 * 4 ** max(0, s / 100 - 10))
-    (f,) = [f for f in analysis_of(tmp_path / "e.parquet").findings if f.rule == "exploding_gradients"]
-    assert f.severity == "warning" and "no loss was logged" in f.evidence and f.value >= 100
+def test_without_a_logged_loss_growth_must_be_larger_and_is_critical_only_past_1000x(runs, tmp_path):
+    for cap, severity in ((4, "warning"), (10, "critical")):  # 256× at most, or on to 4^10
+        write_run(tmp_path / "e.parquet", "e", steps=range(0, 2000, 100),
+                  grad_scale=lambda s, i: 0.5 * 4 ** min(cap, max(0, s / 100 - 10)))
+        (f,) = [f for f in analysis_of(tmp_path / "e.parquet").findings if f.rule == "exploding_gradients"]
+        assert f.severity == severity and "no loss was logged" in f.evidence and f.value >= 100, f
 
 
 def test_nan_reports_first_step_and_layer(runs):
@@ -284,8 +287,9 @@ def test_a_sweep_read_a_batch_of_runs_at_a_time_says_what_its_whole_table_says(t
         *((run, "dead_high", "block2.relu", 300) for run in dying), ("r40", "nan_inf", "block3.relu", 300)}
     assert layer_table(a.latest) == layer_table(a.metrics)
     others = [r for r in a.tables.runs if r != "r00"]
-    assert a.parted("r00") == diff(align(a.metrics), ["r00"], others)
-    first = {run: (p.aligned, p.metric, p.step) for run, p in a.parted("r00").first.items() if run != "r40"}
+    assert a.parted(a.baseline("r00")) == diff(align(a.metrics), ["r00"], others)
+    first = {run: (p.aligned, p.metric, p.step) for run, p in a.parted(a.baseline("r00")).first.items()
+             if run != "r40"}
     assert first == {run: ("relu[2]", "dead_fraction", 300) for run in dying}
 
 

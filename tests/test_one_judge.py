@@ -204,3 +204,51 @@ def test_every_rule_module_declares_its_family_and_the_rulebook_is_the_registry(
     assert {t.flag for t in THRESHOLDS.values()} <= flags
     assert (ROOT / "docs" / "rulebook.md").read_text() == rulebook(), \
         "docs/rulebook.md is stale: python -m actrace.analyzer.rulebook > docs/rulebook.md"
+
+
+def test_attention_logits_grown_tenfold_past_their_history_are_said_well_below_50(tmp_path):
+    """Llama's layer 1 q/k ×1.5 a reading (its logits ×2.25): said once 10× its first readings and
+    above 10 (14.4 here), where the old fixed 50 (which a model soft-capped at 50 never reaches) was silent."""
+    import torch
+    from test_derived import llama, scale, signal_findings
+
+    torch.manual_seed(0)
+    model = llama("eager")
+    found = signal_findings(model, torch.randint(0, 64, (4, 12)), tmp_path / "g.parquet", steps=7,
+                            grow=lambda step: scale(model, "1", ("q_proj.weight", "k_proj.weight"), 1.5))
+    (growth,) = found["attention_logit_growth"]
+    assert growth.layer == "model.layers.1.self_attn.attention_logit" and 10 <= growth.value < 50, growth
+
+
+def test_every_head_of_a_gpt2_layer_collapsed_fails_the_default_gate(tmp_path, cli):
+    """GPT-2's layer 1 attention weights ×20, then ×1.6 a reading: every head one-hot on every query,
+    no loss falling to explain it: critical, so `check` fails the run by default (a warning passed it)."""
+    import torch
+    from test_derived import gpt2, scale, signal_findings
+
+    torch.manual_seed(0)
+    model = gpt2("eager")
+    found = signal_findings(model, torch.randint(0, 64, (4, 12)), tmp_path / "c.parquet", steps=6,
+                            grow=lambda step: scale(model, "1", ("c_attn.weight",), 20.0 if step == 0 else 1.6))
+    (collapse,) = found["attention_entropy_collapse"]
+    assert collapse.severity == "critical" and "4 of 4 heads" in collapse.evidence, collapse
+    gate = cli("check", tmp_path / "c.parquet", "--allow", "stream_missing")
+    assert gate.returncode == 1 and "failed (attention_entropy_collapse" in gate.stdout, gate.stdout
+
+
+@pytest.mark.parametrize("loss", ["unlogged", "one-catastrophic-step"])
+def test_gradients_grown_far_past_their_history_are_critical_without_a_rising_loss_median(tmp_path, loss):
+    """An LR ramp to a gradient norm 12,000× its history with no loss logged, and a ×1000 gradient bug
+    whose loss hits 114 at one step and then holds level (its median ignores that step): both critical."""
+    rng = np.random.default_rng(5)
+    with actrace.Writer(tmp_path / "g.parquet", run="g", overwrite=True) as w:
+        for step in range(200):
+            up = 1.0 if step < 100 else (1.1 ** (step - 100) if loss == "unlogged" else 1000.0)
+            for layer in ("fc1", "fc2"):
+                w.record_param_grad(step, layer, "weight", rng.normal(size=(16, 16)) * 0.1 * up, kind="linear")
+            if loss != "unlogged":
+                w.log(step, loss=114.0 if step == 102 else 2.0 + 0.01 * rng.normal())
+    (f,) = [f for f in analyze(tmp_path / "g.parquet").findings if f.rule == "exploding_gradients"]
+    assert f.severity == "critical" and f.step == 100 if loss != "unlogged" else f.step > 100, f
+    assert ("the loss hit 114" in f.evidence) == (loss != "unlogged"), f.evidence
+    assert ("and on to" in f.evidence) == (loss == "unlogged"), f.evidence  # 12,000×: where it went

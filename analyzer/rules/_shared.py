@@ -63,12 +63,12 @@ def loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bo
     b, n = np.median(before), np.median(now)
     spread = np.median(np.abs(before - b)) if np.isfinite(before).all() else 0.0
     shown = f"its median {b:.3g} before, {n:.3g} since"
-    if n > b + spread:
-        return True, f"; the loss rose: {shown}"
     peak = int(np.argmax(now))
     if b > 0 and now[peak] >= CATASTROPHIC * b and now[peak] > b + spread:
         at = steps[(steps >= mid) & (steps <= hi)][peak]
         return True, f"; the loss hit {now[peak]:.3g} at step {at}, {now[peak] / b:.3g}× its median {b:.3g} before"
+    if n > b + spread and f"{n:.3g}" != f"{b:.3g}":  # as the medians read
+        return True, f"; the loss rose: {shown}"
     if n < b - spread and f"{n:.3g}" != f"{b:.3g}":  # as the medians read
         return False, f"; the loss still falls: {shown}"
     return None, f"; the loss held level: {shown}" + (f", within the spread of its values before (±{spread:.2g})"

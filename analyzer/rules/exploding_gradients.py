@@ -17,7 +17,7 @@ EXPLODING_GRADIENTS = Rule(
     "rose (its median beyond the spread of its values before, or one step `CATASTROPHIC`× its median, or no number), "
     "and it does not recover (back under that growth within a window, to the end, is a spike: no finding); where the "
     "loss held level or none was logged, the growth must be `exploding_growth`² (a warning) or "
-    "`exploding_unlogged` (critical); where the loss falls, none; or (b) the layers' median update ratio at a `param` "
+    "reaches `exploding_unlogged` (critical, at once or later in the run); where the loss falls, none; or (b) the layers' median update ratio at a `param` "
     "reading is ≥ `update_growth`× its median over the earlier readings (3 at least)",
     "unstable updates, divergence ahead: clip gradients, lower the LR", reads=("grad_norm", "update_ratio", "loss"),
     also="warning")
@@ -65,10 +65,14 @@ def _exploding(view, r):
             ratios = norm[i] / np.maximum(np.nanmedian(norm[: i - w + 1], 0), 1e-30)
         worst = int(np.nanargmax(ratios))
         others = [depth[j][1] for j in np.argsort(-ratios) if j != worst and ratios[j] >= r.exploding_growth][:5]
-        critical = risen or growth >= r.exploding_unlogged
+        later = total[i:][np.isfinite(total[i:])]  # how far it went on from there, to the end or a NaN
+        peak = later.max() / max(base, 1e-30)
+        critical = risen or peak >= r.exploding_unlogged
+        went = f", and on to {peak:.3g}× by step {steps[i + int(np.argmax(total[i:] == later.max()))]}" \
+            if peak > 2 * growth else ""
         return make(EXPLODING_GRADIENTS, view.run, depth[worst][1], steps[start],
                     f"total gradient norm {window[-1]:.3g} at step {steps[i]}, {growth:.3g}× its median of "
-                    f"{base:.3g} before step {steps[i - w + 1]} and still rising{said}; grew most in "
+                    f"{base:.3g} before step {steps[i - w + 1]} and still rising{went}{said}; grew most in "
                     f"{depth[worst][1]} ({ratios[worst]:.3g}×)" + (f", also {', '.join(others)}" if others else ""),
                     severity="critical" if critical else "warning", score=np.log10(growth), stream="param_grad",
                     value=growth, threshold=need, first=steps[i - w + 1], last=steps[i], index=depth[worst][0])
