@@ -77,18 +77,30 @@ def _layers(m: pl.DataFrame) -> dict[str, list[Layer]]:
     return out
 
 
-def _views(m: pl.DataFrame, metas: dict, th: Thresholds, scalars: pl.DataFrame | None, signals) -> Iterable[RunView]:
-    """One view per run of the frame `m` (and per run of `metas` without a row there: its status)."""
+def _view(run: str, rows: pl.DataFrame, layers: list[Layer], meta: dict | None, th: Thresholds,
+          scalars: pl.DataFrame | None, signals) -> RunView:
+    """One run's view: its metric rows (a scaler's skipped steps apart), layers, loss, derived readings."""
     skipped = pl.col("mode").fill_null("") == "skipped"
-    parts = m.partition_by("run", as_dict=True, maintain_order=True) if m.height else {}
-    layers = _layers(m) if m.height else {}
     series, units = signals if signals is not None else (None, None)
-    for (run,), rows in parts.items():
-        loss = None if scalars is None else scalars.filter((pl.col("run") == run) & (pl.col("name") == "loss"))
-        lost = None if loss is None else loss.filter(~pl.col("value").is_finite())
-        yield RunView(run, rows.filter(~skipped), rows.filter(skipped), layers.get(run, []), loss, lost,
-                      None if series is None else series.filter(pl.col("run") == run),
-                      None if units is None else units.filter(pl.col("run") == run), metas.pop(run, None), th)
+    loss = None if scalars is None else scalars.filter((pl.col("run") == run) & (pl.col("name") == "loss"))
+    lost = None if loss is None else loss.filter(~pl.col("value").is_finite())
+    return RunView(run, rows.filter(~skipped), rows.filter(skipped), layers, loss, lost,
+                   None if series is None else series.filter(pl.col("run") == run),
+                   None if units is None else units.filter(pl.col("run") == run), meta, th)
+
+
+def _views(m: pl.DataFrame, metas: dict, th: Thresholds, scalars: pl.DataFrame | None, signals) -> Iterable[RunView]:
+    """One view per run of the frame `m`, its trace metadata taken from `metas`."""
+    if not m.height:
+        return
+    layers = _layers(m)
+    for (run,), rows in m.partition_by("run", as_dict=True, maintain_order=True).items():
+        yield _view(run, rows, layers.get(run, []), metas.pop(run, None), th, scalars, signals)
+
+
+def _runs_in(*frames) -> list[str]:
+    return [run for frame in frames if frame is not None and frame.height for run in frame["run"].unique(
+        maintain_order=True).to_list()]
 
 
 def _said(result) -> list[Finding]:
@@ -147,13 +159,23 @@ def findings(m, rules: Rules = Rules(), runs: list[dict] = (), th: Thresholds = 
     one at a time, with the runs' trace metadata (`runs`), logged scalars (the loss) and derived
     readings (`signals`: `analyzer.signals` series and units), most urgent first."""
     metas = {meta.get("run_name"): meta for meta in runs}
-    found = []
+    found, seen, schema = [], set(), None
     for frame in [m] if isinstance(m, pl.DataFrame) else m:
+        schema = schema or frame.schema
         for view in _views(frame, metas, th, scalars, signals):
+            seen.add(view.run)
             found += _nest(_judged(view, rules))
-    for run, meta in metas.items():  # runs without a metric row: their metadata alone
-        found += _judged(RunView(run, pl.DataFrame(), pl.DataFrame(), [], None, None, None, None, meta, th), rules,
-                         metadata_only=True)
+    # runs without a metric row: their derived readings and loss alone (a trace of attention heads), else
+    # their metadata alone (a trace closed empty, a .parts folder never flushed into)
+    for run in dict.fromkeys([*metas, *_runs_in(*(signals or ()), scalars)]):
+        if run in seen:
+            continue
+        meta = metas.get(run)
+        if schema is None:
+            found += _judged(RunView(run, pl.DataFrame(), pl.DataFrame(), [], None, None, None, None, meta, th),
+                             rules, metadata_only=True)
+        else:
+            found += _nest(_judged(_view(run, pl.DataFrame(schema=schema), [], meta, th, scalars, signals), rules))
     return _ranked(found)
 
 

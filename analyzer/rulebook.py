@@ -19,8 +19,8 @@ CHANGELOG = """\
   remedy, and never gates on its own. `variance_collapse` reads the unit std (each unit's spread
   across the probe), at 5 % of its first reading (a layer's std at 1 % before). `exploding_gradients`:
   a spike the run recovers from within a window is none; one logged loss 10× its median before counts
-  as a rise; 1000× without a rising loss is critical. `attention_logit_growth`: ≥ 10× its first
-  readings' median and ≥ 10 (≥ 5× and ≥ 50 before, which a soft-capped model never reaches).
+  as a rise; 1000× without a rising loss is critical. `attention_logit_growth`: ≥ 5× its first
+  reading and ≥ 10 (≥ 50 before, which a model soft-capped at 50 never reaches).
   `attention_entropy_collapse`: critical where every head of the layer collapsed. A softmax's and a
   NaN reading's dead fraction are null metrics (`analyzer/meaning.py`), no rule's exception.
 - **1.4** and earlier: the rules were stated in the trace format's spec (spec/trace-v1.md's changelog).

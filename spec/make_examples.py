@@ -73,7 +73,9 @@ def expected_values(x: np.ndarray, axis: int, kind: str, bounds, exact: bool = T
     saturation exact (from `sat_counts`, 1.1) or from the histogram's bins (a 1.0 trace)."""
     x64 = np.moveaxis(x.astype(np.float64), axis, -1).reshape(-1, x.shape[axis])
     absmax = np.abs(x64).max(axis=0)
-    out = {f"dead_fraction@{e}": float((absmax <= e).mean()) for e in THRESHOLDS["dead_eps"]}
+    # a softmax's zeros are masked entries, no dead units: its dead fraction is null (spec §Metrics)
+    out = {f"dead_fraction@{e}": None if kind == "softmax" else float((absmax <= e).mean())
+           for e in THRESHOLDS["dead_eps"]}
     out["sparsity"] = float((x64 == 0).mean())
     out["mean"], out["std"] = float(x64.mean()), float(x64.std())
     bounds = bounds or KIND_BOUNDS[kind]

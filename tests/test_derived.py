@@ -436,8 +436,9 @@ def test_units_made_to_barely_fire_are_dormant_not_dead_and_a_healthy_layer_has_
 def test_units_killed_by_their_bias_are_dead_after_the_relu_and_leave_no_dormant_unit_before_it(tmp_path):
     """24 of 64 units of a Linear held at −100 by their bias: the ReLU after it reads them dead; the
     Linear's own output holds them at RMS 100 against ~1 for the rest, more outliers than the tenth
-    the reference leaves out, so its 40 healthy units read 'dormant' there, yet no finding says so:
-    dormancy is an activation's (ReDo's neurons), and the dead units are said where they are."""
+    the reference leaves out, so its 40 healthy units would read 'dormant' there: the metric is null for
+    it (analyzer.meaning: dormancy is an activation's, ReDo's neurons), no finding says so, and the dead
+    units are said where they are."""
     from actrace.analyzer import analyze
 
     torch.manual_seed(0)
@@ -450,7 +451,7 @@ def test_units_killed_by_their_bias_are_dead_after_the_relu_and_leave_no_dormant
             mon.probe_reading(step)
     a = analyze([out])
     m = {r["layer"]: r for r in a.metrics.filter(pl.col("step") == 2).iter_rows(named=True)}
-    assert m["1"]["dead_fraction"] == 24 / 64 and m["0"]["dormant_fraction"] == 40 / 64  # what the metric reads
+    assert m["1"]["dead_fraction"] == 24 / 64 and m["0"]["dormant_fraction"] is None  # means nothing there
     assert [f.layer for f in a.findings if f.rule == "dormant_units"] == []
     assert {(f.rule, f.layer) for f in a.findings if f.rule.startswith("dead")} == {("dead_high", "1")}
 

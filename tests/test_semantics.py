@@ -55,7 +55,8 @@ def test_relu6_zeros_are_not_saturation_but_outputs_at_six_are(tmp_path, t, cli)
     args = ["--sat-threshold", str(t), "--max-saturation", "0.3"]
     assert cli("check", fresh, *args).returncode == 0
     res = cli("check", pinned, *args)
-    assert res.returncode == 1 and "saturated share of values 1" in res.stdout
+    assert res.returncode == 1 and "  pinned: failed (saturation_high)" in res.stdout and \
+        "100% of values and 100% of units saturated" in res.stdout, res.stdout
 
 
 @pytest.mark.filterwarnings("ignore:actrace. the unit axis")  # an activation of the probe itself: one unit
@@ -122,7 +123,8 @@ def test_units_pinned_for_every_input_are_a_finding_and_a_check(tmp_path, cli):
     assert not [f for f in findings(metrics(good)) if f.rule == "units_pinned"]
     assert not [f for f in findings(metrics(bad), Rules(max_saturation_units=0.4)) if f.rule == "units_pinned"]
     res = cli("check", bad, "--max-saturation-units", "0.2")
-    assert res.returncode == 1 and "share of units pinned for every input 0.3" in res.stdout
+    assert res.returncode == 1 and "  bad: failed (units_pinned)" in res.stdout and \
+        "30% of units pinned at a bound for every probe input" in res.stdout, res.stdout
     assert cli("check", good, "--max-saturation-units", "0.2").returncode == 0
 
 

@@ -9,12 +9,13 @@ from ._base import Rule, make
 
 
 def growing(rule: Rule, run, layer, s, v, need: float, what: str, index: int, advice=None):
-    """`rule` where `v`'s robust rise over the recent readings is `need` or more and its last value
-    at least half that above the value where they start: a layer still getting worse; the finding
-    starts where the rise starts (`onset`)."""
+    """`rule` where `v`'s robust rise over the recent readings is `need` or more and its last two
+    values at least half that above the value where they start: a layer still getting worse (one
+    reading off its history is no trend yet: a batch that corrupted BatchNorm's statistics for a few
+    steps); the finding starts where the rise starts (`onset`)."""
     i = recent(s)
     rise = theil_sen(s[i:], v[i:]) * (s[-1] - s[i])
-    if rise < need or v[-1] - v[i] < need / 2:
+    if rise < need or min(v[-1], v[-2]) - v[i] < need / 2:
         return None
     start = onset(s, v)
     return make(rule, run, layer, s[start],

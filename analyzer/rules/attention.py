@@ -18,8 +18,8 @@ ATTENTION_ENTROPY_COLLAPSE = Rule(
     "and keys (QK-norm), lower the LR, or warm up longer", reads=("attention_entropy", "loss"), also="critical")
 ATTENTION_LOGIT_GROWTH = Rule(
     "attention_logit_growth", "warning",
-    "a layer's largest `attention_logit` (the max over heads) is ≥ `logit_growth`× its first readings' median (a "
-    "positive one) and ≥ `logit_limit` at every reading of a streak to the last, and rising over the recent readings",
+    "a layer's largest `attention_logit` (the max over heads) is ≥ `logit_growth`× its first reading (a positive "
+    "one) and ≥ `logit_limit` at every reading of a streak to the last, and rising over the recent readings",
     "attention logits keep growing, a precursor of loss divergence in large transformers: QK-norm or QK-clip, a lower "
     "LR, weight decay on the query and key projections", reads=("attention_logit",))
 
@@ -45,14 +45,14 @@ def _growth(view, r):
     for layer, index, steps, g in streams(view.units, "attention_logit", pl.col("max").max().alias("v"),
                                           pl.col("unit").sort_by("max").last().alias("head")):
         v = g["v"].to_numpy()
-        base = float(np.median(v[:3]))
+        base = float(v[0])
         grown = (v >= r.logit_limit) & (v >= r.logit_growth * base) if base > 0 else np.zeros(len(v), bool)
         since = held_since(grown, 1.0)
         if since is None or not rising(steps, v):
             continue
         yield make(ATTENTION_LOGIT_GROWTH, view.run, layer, steps[since],
                    f"max attention logit {v[-1]:.3g} (head {g['head'][-1]}) at step {steps[-1]}, {v[-1] / base:.1f}× "
-                   f"its {base:.3g} at the first readings and still rising; above {r.logit_limit:g} and "
+                   f"its {base:.3g} at step {steps[0]} and still rising; above {r.logit_limit:g} and "
                    f"{r.logit_growth:g}× since step {steps[since]}", score=v[-1] / base, value=v[-1],
                    threshold=r.logit_limit, first=steps[since], last=steps[-1], index=index)
 
@@ -66,4 +66,4 @@ FAMILY = Family((ATTENTION_ENTROPY_COLLAPSE, ATTENTION_LOGIT_GROWTH), check, thr
     Threshold("entropy_collapse", 0.1, "a layer's mean head entropy (over its maximum, ln keys) below this: its heads "
               "near one-hot on every query (random init reads ~1)", high=1.0),
     Threshold("logit_limit", 10.0, "the largest attention logit above this (softmax then near one-hot) ...", low=0.0),
-    Threshold("logit_growth", 10.0, "... and this many times its first readings' median, still rising", low=1.0)))
+    Threshold("logit_growth", 5.0, "... and this many times its first reading, still rising", low=1.0)))
