@@ -81,7 +81,8 @@ def table(rows: list[dict], columns: list[str], cls: str = "", run_key: str | No
 
 
 def findings_table(found: list[Finding], search: dict) -> str:
-    """One row per rule and run (its most urgent finding), the other layers behind a disclosure."""
+    """One row per rule and run (its most urgent finding), the other layers behind a disclosure; a
+    consequence right under its cause, said as one (its remedy is its cause's)."""
     if not found:
         return "<p>No findings: every rule stayed silent.</p>"
     rows = []
@@ -91,9 +92,12 @@ def findings_table(found: list[Finding], search: dict) -> str:
         if g.others:
             more = ", ".join(html.escape(shown(f"{o.layer} (step {o.step})")) for o in g.others)
             layer += f"<details><summary>+{len(g.others)} more layers</summary>{more}</details>"
-        cells = [html.escape(shown(str(v))) for v in (f.severity, f.rule, f.run)] + [layer] + \
-                [html.escape(shown(str(v))) for v in (f.step if f.step >= 0 else "–", f.evidence, f.advice)]
-        rows.append(f'<tr class="{f.severity}"{_attrs(f.run, search.get(f.run, f.run))}>'
+        said = (f.severity, f.rule) if f.cause is None else ("↳ consequence", f"{f.rule}, because of {f.cause}")
+        cells = [html.escape(shown(str(v))) for v in (*said, f.run)] + [layer] + \
+                [html.escape(shown(str(v))) for v in (f.step if f.step >= 0 else "–", f.evidence,
+                                                      f.advice if f.cause is None else "see its cause")]
+        rows.append(f'<tr class="{f.severity if f.cause is None else "consequence"}"'
+                    f'{_attrs(f.run, search.get(f.run, f.run))}>'
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{c}</th>" for c in ("severity", "rule", "run", "layer", "since step", "evidence",
                                              "what people usually do"))

@@ -21,7 +21,7 @@ from actrace.format.recurrent import describe
 from . import charts, page
 from .analysis import Analysis, Baseline
 from .diff import as_text
-from .findings import SEVERITY_RANK, Finding, group
+from .findings import RULES_VERSION, SEVERITY_RANK, Finding, group
 from .metrics import last_reading, non_finite
 from .summary import NO_BASELINE
 
@@ -124,7 +124,8 @@ class Section:
 
 def _overview(analysis: Analysis, c: Choice) -> Section:
     rows = [{"run": g.first.run, "rule": g.first.rule, "severity": g.first.severity, "layers": len(g.layers),
-             "step": g.first.step, "evidence": g.first.evidence} for g in group(analysis.findings)]
+             "step": g.first.step, "evidence": g.first.evidence} for g in group(analysis.findings)
+            if g.first.cause is None]  # a consequence is its cause's cell
     seen = {r["run"] for r in rows}
     rows += [{"run": r, "rule": "no finding", "severity": "no finding", "layers": 0, "step": -1,
               "evidence": "every rule stayed silent"} for r in c.ranked_runs if r not in seen]
@@ -347,7 +348,8 @@ def assemble(analysis: Analysis, c: Choice, sections: list[Section]) -> str:
     n_layers = analysis.metrics.select("run", "layer").unique().height
     return page.page(
         bundle=vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert()),
-        subtitle=f"{len(analysis.runs)} run(s), {n_layers} layer readings series, {len(found)} finding(s)",
+        subtitle=f"{len(analysis.runs)} run(s), {n_layers} layer readings series, {len(found)} finding(s) (rules "
+                 f"{RULES_VERSION}; baseline: {c.compared.said if c.compared else 'none chosen'})",
         lead=page.urgent(found, len(analysis.runs)), overview=html_of.get("overview", ""), body="\n".join(body),
         runs_table=page.table(runs, ["run", "framework", "adapter", "status", "mode", "probe", "created", "host",
                                      "config", "file"], cls="runs", run_key="run", search=c.search),

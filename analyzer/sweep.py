@@ -17,7 +17,7 @@ import polars as pl
 
 from actrace.format.schema import shown
 
-from .findings import SEVERITY_RANK, Finding
+from .findings import RULES_VERSION, SEVERITY_RANK, Finding
 from .metrics import last_reading
 from .trends import theil_sen
 
@@ -84,6 +84,7 @@ def sweep(aligned: pl.DataFrame, found: list[Finding], runs: list[dict], key: st
         if abs(slope) > slope_limit:
             scaling.append(Scaling(layer, slope, {f"{k:g}": float(r) for k, r in zip(g["k"], g["rms"])}))
     onsets = []
+    found = [f for f in found if f.cause is None]  # a consequence fires with its cause, not apart
     by_value = {v: [r for r in values if values[r] == v] for v in sorted(set(values.values()))}
     for rule in sorted({f.rule for f in found if f.severity != "info"}):
         fired = {f.run for f in found if f.rule == rule}
@@ -116,4 +117,5 @@ def as_text(s: Sweep) -> str:
 
 
 def as_json(s: Sweep) -> str:
-    return json.dumps(asdict(s), indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v) + "\n"
+    return json.dumps({**asdict(s), "rules_version": RULES_VERSION}, indent=2,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else v) + "\n"
