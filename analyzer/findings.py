@@ -48,8 +48,7 @@ def _per_layer(m: pl.DataFrame):
     def column(c: str) -> np.ndarray:  # one column at a time: a copy of the readings' table never exists
         v = m[c].filter(mask) if ordered else m[c].filter(mask).gather(order)
         return v.to_numpy() if c == "kind" else v.cast(pl.Float64).fill_null(np.nan).to_numpy()
-    cols = {c: column(c) for c in _READINGS if c in m.columns}
-    cols.setdefault("unit_std", np.full(keys.height, np.nan))  # a metric table from before the unit std
+    cols = {c: column(c) for c in _READINGS}
     cols["step"] = keys["step"].to_numpy()
     starts, ends = series_bounds(keys, "run", "layer")
     names = keys[starts].select("run", "layer").rows()  # each layer's names once, not each reading's

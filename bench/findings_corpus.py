@@ -20,6 +20,7 @@ from pathlib import Path
 STEPS, PROBE_EVERY, BATCH = 200, 20, 32
 VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # a trace of another corpus is trained again
 VOCAB, SEQ, CLASSES = 24, 16, 4
+LANGUAGE_MODELS = ("gpt2", "llama", "gemma2")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,15 @@ def _healthy() -> list[Case]:
               Case("mlp-relu-staged-unfreeze", "mlp", "adam", 1e-3, inject=("stages", 0, dict(at=(60, 100, 140))),
                    seed=13),
               Case("cnn-bn-bad-batch", "cnn", "adam", 1e-3, recipe="bad-batch", seed=2),
-              Case("transformer-restarts", "transformer", "adamw", 1e-3, "restarts", seed=3)]
+              Case("transformer-restarts", "transformer", "adamw", 1e-3, "restarts", seed=3),
+              # other losses: a VAE (reconstruction + KL), a contrastive encoder (InfoNCE over two noisy views)
+              Case("vae-adam", "vae", "adam", 1e-3, seed=16), Case("vae-adamw-cosine", "vae", "adamw", 2e-3,
+                                                                   "warmup-cosine", seed=17),
+              Case("contrastive-adam", "contrastive", "adam", 1e-3, seed=18),
+              Case("contrastive-sgdm", "contrastive", "sgdm", 0.05, seed=19),
+              # soft-capped attention and output logits (Gemma 2: tanh caps at 50 and 30)
+              Case("gemma2-adamw-cosine", "gemma2", "adamw", 2e-3, "warmup-cosine"),
+              Case("gemma2-adam", "gemma2", "adam", 1e-3, seed=1)]
     cases += [Case("cnn-bn-sgdm", "cnn", "sgdm", 0.05), Case("cnn-bn-adam", "cnn", "adam", 1e-3),
               Case("cnn-bn-adamw-cosine", "cnn", "adamw", 3e-3, "warmup-cosine"),
               Case("cnn-bn-sgdm-clip", "cnn", "sgdm", 0.1, clip=1.0, seed=1)]
@@ -156,6 +165,11 @@ PATHOLOGICAL = [
         f"model.layers.1.self_attn.{p}_proj" for p in "qk"], rate=1.03)),
          rules=("attention_logit_growth", "attention_entropy_collapse"), layers=("model.layers.1.self_attn.*",),
          at=K, window=True),
+    # the same growth under Gemma 2's soft cap (50): the capped logits grow to the cap, then one-hot heads
+    Case("qk-growth-gemma2", "gemma2", "adamw", 2e-3, inject=("grow", K, dict(modules=[
+        f"model.layers.1.self_attn.{p}_proj" for p in "qk"], rate=1.03)),
+         rules=("attention_logit_growth", "attention_entropy_collapse"), layers=("model.layers.1.self_attn.*",),
+         at=K, window=True),
     Case("logit-drift-gpt2", "gpt2", "adamw", 2e-3, inject=("grow", K, dict(modules=["transformer.ln_f"], rate=1.04)),
          rules=("logit_divergence",), layers=("lm_head.*",), at=K, window=True),
 ]
@@ -168,7 +182,13 @@ def _tasks(torch, family: str, g):
     """batch(n) → (inputs, targets) and a fixed probe for a family's task: tabular classes from a
     random teacher, images from class templates, token sequences from one of four Markov chains
     (classified), or from one chain (next token)."""
-    if family in ("mlp",):
+    if family == "vae":  # 32 features spanned by 6 factors: what an 8-dimensional code can reconstruct
+        mix = torch.randn(6, 32, generator=g) / 6 ** 0.5
+
+        def batch(n):
+            x = torch.randn(n, 6, generator=g) @ mix
+            return x, x
+    elif family in ("mlp", "contrastive"):
         teacher = torch.randn(32, 16, generator=g), torch.randn(16, CLASSES, generator=g)
 
         def batch(n):
@@ -182,7 +202,7 @@ def _tasks(torch, family: str, g):
             return templates[y] + 1.5 * torch.randn(n, 1, 16, 16, generator=g), y
     else:
         chains = torch.softmax(3 * torch.randn(CLASSES, VOCAB, VOCAB, generator=g), -1)
-        lm = family in ("gpt2", "llama")
+        lm = family in LANGUAGE_MODELS
 
         def batch(n):
             y = torch.zeros(n, dtype=torch.long) if lm else torch.randint(0, CLASSES, (n,), generator=g)
@@ -199,6 +219,22 @@ def _tasks(torch, family: str, g):
 def build(torch, case: Case):
     """The model of a case's family, with its options."""
     nn, o = torch.nn, case.model
+    if case.family == "vae":
+        class VAE(nn.Module):
+            """x → (fc1, relu1) → mu, logvar → z → (fc3, relu3, fc4) → x̂; z is mu in eval mode."""
+
+            def __init__(self):
+                super().__init__()
+                self.fc1, self.relu1, self.stats = nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)
+                self.fc3, self.relu3, self.fc4 = nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32)
+
+            def forward(self, x):
+                mu, logvar = self.stats(self.relu1(self.fc1(x))).chunk(2, -1)
+                z = mu + torch.randn_like(mu) * (0.5 * logvar).exp() if self.training else mu
+                return self.fc4(self.relu3(self.fc3(z))), mu, logvar
+        return VAE()
+    if case.family == "contrastive":
+        return build(torch, Case(case.name, "mlp", model=dict(out=16)))
     if case.family == "mlp":
         act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[o.get("act", "relu")]
         depth, width, inp = o.get("depth", 3), o.get("width", 64), 32
@@ -206,7 +242,7 @@ def build(torch, case: Case):
         for i in range(1, depth + 1):
             names += [(f"fc{i}", nn.Linear(inp, width)), (f"{o.get('act', 'relu')}{i}", act())]
             inp = width
-        model = nn.Sequential(OrderedDict(names + [("head", nn.Linear(width, CLASSES))]))
+        model = nn.Sequential(OrderedDict(names + [("head", nn.Linear(width, o.get("out", CLASSES)))]))
         with torch.no_grad():
             for m in model:
                 if isinstance(m, nn.Linear):
@@ -257,6 +293,10 @@ def build(torch, case: Case):
     if case.family == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ,
                                                   num_key_value_heads=2, **small))
+    if case.family == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=VOCAB, max_position_embeddings=SEQ, num_key_value_heads=2,
+                                                    head_dim=16, attn_logit_softcapping=50.0,
+                                                    final_logit_softcapping=30.0, attn_implementation="eager", **small))
     raise ValueError(f"unknown family {case.family!r}")
 
 
@@ -265,6 +305,13 @@ def _logits(out):
 
 
 def loss_of(torch, case: Case, model, x, y):
+    f = torch.nn.functional
+    if case.family == "vae":  # reconstruction + KL to the unit normal
+        recon, mu, logvar = model(x)
+        return f.mse_loss(recon, x) + 0.01 * (-0.5 * (1 + logvar - mu ** 2 - logvar.exp()).sum(-1)).mean()
+    if case.family == "contrastive":  # InfoNCE: each example's second view among the batch's
+        z1, z2 = (f.normalize(model(x + 0.3 * torch.randn_like(x)), dim=-1) for _ in range(2))
+        return f.cross_entropy(z1 @ z2.T / 0.2, torch.arange(len(x)))
     smoothing = 0.1 if case.recipe == "smooth" else 0.0
     if case.recipe == "mixup" and model.training:  # inputs and targets mixed with a shuffled copy of the batch
         lam, perm = 0.7, torch.randperm(len(x))
@@ -272,7 +319,7 @@ def loss_of(torch, case: Case, model, x, y):
         ce = torch.nn.functional.cross_entropy
         return lam * ce(logits, y) + (1 - lam) * ce(logits, y[perm])
     logits = _logits(model(x))
-    if case.family in ("gpt2", "llama"):  # next token
+    if case.family in LANGUAGE_MODELS:  # next token
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
                                                  label_smoothing=smoothing)
     return torch.nn.functional.cross_entropy(logits, y, label_smoothing=smoothing)

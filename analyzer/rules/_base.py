@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 import polars as pl
@@ -166,11 +166,3 @@ class RunView:
         norm[row, col] = g["grad_norm"].fill_null(np.nan).to_numpy()
         count[row, col] = g["values"].fill_null(np.nan).to_numpy()
         return steps, depth, norm, norm / np.sqrt(np.maximum(count, 1))
-
-    def can_read(self, columns: Iterable[str]) -> bool:
-        """Whether any of the run's metric rows holds a value of one of `columns`."""
-        have = [c for c in columns if c in self.m.columns]
-        return bool(have) and self.m.select(pl.any_horizontal(pl.col(c).is_not_null() & pl.col(c).is_not_nan()
-                                                              if self.m.schema[c].is_float() else
-                                                              pl.col(c).is_not_null() for c in have).any()).item()
-
