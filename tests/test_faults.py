@@ -47,3 +47,60 @@ def test_a_killed_run_with_readings_of_mixed_kinds_in_its_parts_is_read_by_every
     gate = metrics.filter(metrics["layer"] == "gate")
     assert gate.height == 3 and gate["saturation_unit"].is_not_null().all()  # what only the tanh rows' columns give
 
+
+FORKS = textwrap.dedent("""
+    import multiprocessing, os, sys, numpy as np, actrace
+    trace, parts, lock = sys.argv[1], sys.argv[1] + ".parts", sys.argv[1] + ".lock"
+
+    def fails():
+        raise RuntimeError("the child fails")
+
+    def writes_its_own():
+        with actrace.Writer(sys.argv[2], run="child") as own:
+            own.record_activation(0, "fc", np.ones((4, 2), np.float32), kind="relu")
+
+    def forked(child):
+        pid = os.fork()
+        if pid == 0:
+            child()
+            sys.exit(0)  # the interpreter's own exit: atexit, the collector
+        assert os.waitpid(pid, 0)[1] != 0 or child is not fails  # a child that raised exited 1
+        assert os.path.isdir(parts) and os.path.exists(lock), child  # the parent's trace left to the parent
+
+    def records():
+        w.record_activation(10_000, "fc", np.ones((4, 2), np.float32), kind="relu")
+
+    with actrace.Writer(trace, run="parent", flush_every=3) as w:
+        for step in range(12):
+            w.record_activation(step, "fc", np.full((4, 2), step, np.float32), kind="relu")
+            if step == 2:
+                forked(lambda: None)  # exits normally
+            if step == 4:
+                forked(records)  # records into the parent's writer, then exits
+            if step == 6:
+                forked(fails)  # raises through `with w`: its __exit__ closes the writer (the child's copy)
+            if step == 8:
+                context = multiprocessing.get_context("fork")
+                for target in (fails, writes_its_own):
+                    p = context.Process(target=target)
+                    p.start()
+                    p.join()
+                    assert os.path.isdir(parts) and os.path.exists(lock), target
+    print("parent closed", flush=True)
+""")
+
+
+def test_a_forked_child_never_writes_closes_or_unlocks_its_parents_trace(tmp_path):
+    trace, own = tmp_path / "t.parquet", tmp_path / "own.parquet"
+    res = subprocess.run([sys.executable, "-c", FORKS, str(trace), str(own)], capture_output=True, text=True,
+                         timeout=HUNG)
+    assert res.returncode == 0 and "parent closed" in res.stdout, res.stderr[-3000:]
+    assert res.stderr.count("RuntimeError: the child fails") == 2  # both children did fail
+    assert res.stderr.count("is a fork of process") == 1  # the child that recorded was told, once
+    table, meta = read_source(trace)
+    assert sorted(table["step"].to_pylist()) == list(range(12))  # every reading of the parent, none of a child
+    assert meta["status"] == "complete" and meta["run_name"] == "parent"
+    assert not (tmp_path / "t.parquet.parts").exists() and not (tmp_path / "t.parquet.lock").exists()
+    assert validate(trace) == []
+    table = actrace.read_table(own)  # the child's own writer is its own
+    assert table["run"].to_pylist() == ["child"]

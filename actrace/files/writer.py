@@ -264,6 +264,7 @@ class Writer:
         self._unloggable: set[str] = set()
         self.expect, self.streams = tuple(expect), set()  # streams a closed trace must hold, and those it got
         self.dropped, self._said_dropped = 0, set()  # readings at a step that did not grow
+        self._pid, self._said_forked = os.getpid(), False
         _open_writers.add(self)
         _watch_sigterm()
         self._last_flush = time.monotonic()
@@ -288,6 +289,8 @@ class Writer:
 
     def discard(self) -> None:
         """Close without writing a trace (only sensible when nothing was recorded)."""
+        if self._forked():
+            return
         self.closed = True
         remove(self.parts)
         self._unlock()
@@ -309,6 +312,8 @@ class Writer:
                     probe_fingerprint: str | None = None, layer_indexes: list[int] | None = None) -> None:
         """Buffer readings taken together at `step` (one probe or gradient reading of a model);
         `layer_indexes`: each one's depth, else the order layers were first recorded."""
+        if self._forked(said=True):
+            return
         step, mode, wall_time = self._stamp(step, mode)
         fingerprint = probe_fingerprint or self.probe_fingerprint
         for i, reading in enumerate(readings):
@@ -329,6 +334,8 @@ class Writer:
                       mode: str | None = None) -> None:
         """`record_many` of `batch.readings()` (a per-step gradient reading's parameters), whose rows
         are made from the batch's totals by `LayerRows` kept for the next batch of the same tensors."""
+        if self._forked(said=True):
+            return
         step, mode, wall_time = self._stamp(step, mode)
         rows = self._layer_rows
         if rows is None or not rows.fits(batch, layer_indexes):
@@ -343,6 +350,20 @@ class Writer:
         self.streams |= rows.streams
         self._rows += rows.rows(batch, step, mode, wall_time, kept)
         self._flush_if_due()
+
+    def _forked(self, said: bool = False) -> bool:
+        """Whether this process is a fork of the one that opened the writer (`os.fork`, multiprocessing's
+        fork start): the trace, its part files and its lock are the parent's, so here the writer never
+        writes, flushes, closes or unlocks. Readings recorded here are skipped, said once (`said`); a
+        child that only exits (its `atexit`, a `with` block it unwinds) is silent."""
+        if os.getpid() == self._pid:
+            return False
+        if said and not self._said_forked:
+            self._said_forked = True
+            warnings.warn(f"actrace: {self.path}: process {os.getpid()} is a fork of process {self._pid}, which "
+                          "writes this trace: readings recorded here are not written (a child makes a Writer or "
+                          "Monitor of its own)", stacklevel=4)
+        return True
 
     def _stamp(self, step: int, mode: str | None) -> tuple[int, str | None, float]:
         """A recording's step, mode and wall time, once the writer may still take it."""
@@ -465,6 +486,8 @@ class Writer:
         """Write the buffered readings as one complete part file; True when they are on disk. Where
         the disk refuses (full, read-only), the readings stay buffered for the next flush and this
         is said once: a monitor never takes training down."""
+        if self._forked():
+            return False
         self._last_flush = time.monotonic()
         if not self._rows:
             return True
@@ -511,7 +534,7 @@ class Writer:
         `interrupted` (Ctrl-C) or `terminated` (SIGTERM); `incomplete: no STREAM reading` when a
         stream it was told to `expect` got none. `no_gradient`: the `LAYER/PARAM` names of parameters
         that required a gradient and never got one (spec §File metadata)."""
-        if self.closed:
+        if self.closed or self._forked():
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
         self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
