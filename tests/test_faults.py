@@ -104,3 +104,68 @@ def test_a_forked_child_never_writes_closes_or_unlocks_its_parents_trace(tmp_pat
     assert validate(trace) == []
     table = actrace.read_table(own)  # the child's own writer is its own
     assert table["run"].to_pylist() == ["child"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs of this test's own, which `refuse(disk)` remounts read-only: a folder that refuses
+    root's writes too (permission bits do not), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): a folder refusing root's "
+                    "writes needs one")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def refuse(disk) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
+
+def test_a_folder_that_refuses_writes_mid_run_never_makes_close_raise(small_disk):
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from actrace.adapters.torch import Monitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    trace = small_disk / "t.parquet"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, torch.randn(32, 8), trace, probe_every=2, flush_every=1)
+        for step in range(10):
+            if step == 6:
+                refuse(small_disk)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            monitor.step(step)
+        assert monitor.close() == small_disk / "t.parquet.parts"  # no exception: the trace stays as its parts
+    lines = [str(w.message) for w in said if str(trace) in str(w.message)]
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+    assert "cannot write a part file" in lines[0] and "Read-only file system" in lines[0]  # said once, mid-run
+    assert "stays as its part files" in lines[1] and "readings could not be written at all" in lines[1]
+    lost = int(lines[1].split("; ")[-1].split()[0])
+    table, meta = read_source(small_disk / "t.parquet.parts")
+    assert set(table["step"].to_pylist()) == set(range(6)) and lost > 0  # what reached the disk, and what is said lost
+    assert meta["status"] == "running"
+
+
+def test_a_folder_that_refuses_writes_at_the_start_is_one_line_naming_the_trace(small_disk, cli, tmp_path):
+    from test_onnx_adapter import helper_model
+
+    refuse(small_disk)
+    with pytest.raises(OSError) as refused:
+        actrace.Writer(small_disk / "t.parquet")
+    assert str(refused.value).startswith(f"{small_disk / 't.parquet'}: cannot start the trace there")
+    helper_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "probe.npz", x=np.ones((4, 8), np.float32))
+    res = cli("record", tmp_path / "m.onnx", "--probe", tmp_path / "probe.npz", "-o", small_disk / "t.parquet")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [f"actrace record: error: {small_disk / 't.parquet'}: cannot start the "
+                                               f"trace there (Read-only file system: {small_disk / 't.parquet.lock'})"]

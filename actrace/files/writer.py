@@ -8,6 +8,7 @@ only after it is complete.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -129,24 +130,26 @@ def lock_path(path: Path) -> Path:
 
 def _lock(path: Path):
     """The lock of one trace, held for its writer's life (`flock`, released by the system if the
-    process dies): a second writer of the same trace fails at once, naming the holder."""
+    process dies): a second writer of the same trace fails at once, naming the holder. It is held on
+    a descriptor open for reading only, so the writer keeps no file open for writing between flushes
+    (a file system can then be remounted read-only under a run; the run is told at its next write)."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): one writer per trace is then the user's to keep
         return None
-    f = open(lock_path(path), "a+")
+    f = os.fdopen(os.open(lock_path(path), os.O_RDONLY | os.O_CREAT, 0o644))
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
         raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-    f.flush()
+    try:
+        lock_path(path).write_text(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                                   f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    except BaseException:
+        f.close()
+        raise
     return f
 
 
@@ -174,8 +177,10 @@ def write_parquet(table: pa.Table, path) -> None:
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
         _fsync(tmp)
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind; a read-only one
+            tmp.unlink(missing_ok=True)  # none to remove, and its refusal is not what is said
+        raise
     _fsync(path.parent)
 
 
@@ -226,26 +231,12 @@ class Writer:
                 raise ValueError(f"{p} is a symbolic link: a trace is not written through one")
         if self.path.is_dir():
             raise ValueError(f"{self.path} is a folder: give the trace's file name, runs/NAME.parquet")
-        if remote(self.path):  # no folders to make, and no lock: one writer per trace is the user's to keep
-            _bucket(self.path)
-            self._lock = None
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._lock = _lock(self.path)
         try:
-            if self.path.exists() or self.parts.exists():
-                if not overwrite:
-                    raise FileExistsError(f"{self.path}: a trace is already there; pass overwrite=True "
-                                          f"(or --overwrite) to replace it")
-                if self.path.exists() and not _is_trace(self.path):
-                    raise FileExistsError(f"{self.path} is not an actrace trace: not replaced, even with overwrite")
-                remove(self.path)
-                remove(self.parts)
-            if not remote(self.parts):
-                self.parts.mkdir()
-        except BaseException:
-            self._unlock()
-            raise
+            self._claim(overwrite)
+        except OSError as exc:  # a folder that refuses (read-only, a file where a folder should be): one line
+            if exc.errno is None:  # one of ours, in its own words
+                raise
+            raise type(exc)(f"{self.path}: cannot start the trace there ({exc.strerror}: {exc.filename})") from None
         self._unwritable = False
         self._names: dict[str, str] = {}
         self.run = self._safe(run or path_run(self.path))
@@ -270,6 +261,30 @@ class Writer:
         self._last_flush = time.monotonic()
         self.readings_written = 0
         self.closed = False
+
+    def _claim(self, overwrite: bool) -> None:
+        """Take the trace's place: its folder, its lock, its part folder (an old trace there replaced
+        only with `overwrite`, and only if it is a trace)."""
+        if remote(self.path):  # no folders to make, and no lock: one writer per trace is the user's to keep
+            _bucket(self.path)
+            self._lock = None
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = _lock(self.path)
+        try:
+            if self.path.exists() or self.parts.exists():
+                if not overwrite:
+                    raise FileExistsError(f"{self.path}: a trace is already there; pass overwrite=True "
+                                          f"(or --overwrite) to replace it")
+                if self.path.exists() and not _is_trace(self.path):
+                    raise FileExistsError(f"{self.path} is not an actrace trace: not replaced, even with overwrite")
+                remove(self.path)
+                remove(self.parts)
+            if not remote(self.parts):
+                self.parts.mkdir()
+        except BaseException:
+            self._unlock()
+            raise
 
     def __enter__(self) -> "Writer":
         return self
@@ -296,9 +311,14 @@ class Writer:
         self._unlock()
 
     def _unlock(self) -> None:
-        """Let the next writer of this trace in: the lock file goes, its lock with it."""
+        """Let the next writer of this trace in: the lock file goes, its lock with it. Where the folder
+        refuses (it went read-only mid-run) the file stays: its lock goes with the descriptor all the
+        same, and the next writer takes the file over; nothing of the trace is in it."""
         if self._lock is not None:
-            lock_path(self.path).unlink(missing_ok=True)
+            try:
+                lock_path(self.path).unlink(missing_ok=True)
+            except OSError:
+                pass
             self._lock.close()
             self._lock = None
 
