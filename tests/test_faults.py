@@ -169,3 +169,45 @@ def test_a_folder_that_refuses_writes_at_the_start_is_one_line_naming_the_trace(
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == [f"actrace record: error: {small_disk / 't.parquet'}: cannot start the "
                                                f"trace there (Read-only file system: {small_disk / 't.parquet.lock'})"]
+
+
+COMPACTIONS = textwrap.dedent("""
+    import os, sys, time, numpy as np, actrace
+    runs, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
+    rounds = 0
+    while time.monotonic() < until:
+        os.mkdir(f"{runs}/{rounds:04d}")
+        with actrace.Writer(f"{runs}/{rounds:04d}/t.parquet", flush_every=1) as w:
+            for step in range(30):  # thirty part files, compacted at the end of the block
+                w.record_activation(step, "fc", np.full((4, 8), step, np.float32), kind="relu")
+        rounds += 1
+    print(rounds)
+""")
+
+
+def test_a_reader_meeting_a_compaction_reads_the_parts_or_the_trace_never_calls_it_corrupt(tmp_path):
+    from actrace.files.describe import describe
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", COMPACTIONS, str(runs), "4"], stdout=subprocess.PIPE, text=True)
+    reads = settled = 0
+    try:
+        while writer.poll() is None:
+            folders = sorted(runs.iterdir())
+            if not folders:
+                continue
+            assert validate(folders[-1]) == []  # `actrace validate DIR` of the trace being written
+            parts = folders[-1] / "t.parquet.parts"
+            if any(parts.glob("part-*.parquet")):  # flushed into (its writer removes none of them)
+                d = describe(parts)  # `actrace inspect X.parts`
+                complete = d["metadata"]["status"] == "complete"
+                assert d["readings"] == 30 if complete else d["metadata"]["status"] == "running", d
+                settled += d["path"] == str(parts).removesuffix(".parts")
+            reads += 1
+    finally:
+        writer.kill()
+        rounds = int(writer.communicate(timeout=HUNG)[0] or 0)
+    assert writer.returncode == 0 and rounds >= 1 and reads >= 1, (rounds, reads)
+    print(f"{rounds} compactions, {reads} reads, {settled} of the parts read from the finished trace")
+    assert validate(runs) == [] and len(list(runs.glob("*/t.parquet"))) == rounds

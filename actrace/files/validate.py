@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from actrace.format import metadata
 from actrace.format.bins import N_BINS
-from actrace.files.reader import TraceError, _read, part_files, trace_sources
+from actrace.files.reader import TraceError, _read, part_files, settled, trace_sources
 from actrace.format.schema import (KIND_BOUNDS, KINDS, MAX_NAME, READING_KEY, SAT_COUNTS, SCALAR_INDEX, SCHEMA, SPEC_VERSION,
                      STREAMS, UNIT_COLUMNS, FORBIDDEN_IN_NAMES, minor_version, schema_problems)
 
@@ -297,7 +297,12 @@ def duplicates(t: pa.Table) -> np.ndarray:
 
 def validate_source(source: Path) -> list[Problem]:
     """Every problem of one trace source: each part file's, then those across them (one run, no
-    reading twice, part files named as the spec names them)."""
+    reading twice, part files named as the spec names them); a `.parts` folder compacted while it is
+    validated, its compacted trace's (`settled`)."""
+    return settled(_validate_source, source)
+
+
+def _validate_source(source: Path) -> list[Problem]:
     try:
         files = part_files(source)
     except TraceError as exc:
