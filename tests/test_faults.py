@@ -3,6 +3,7 @@ reader beside a compaction, special files where traces should be."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,3 +212,38 @@ def test_a_reader_meeting_a_compaction_reads_the_parts_or_the_trace_never_calls_
     assert writer.returncode == 0 and rounds >= 1 and reads >= 1, (rounds, reads)
     print(f"{rounds} compactions, {reads} reads, {settled} of the parts read from the finished trace")
     assert validate(runs) == [] and len(list(runs.glob("*/t.parquet"))) == rounds
+
+
+READERS = textwrap.dedent("""
+    import json, sys, warnings
+    sys.path.insert(0, sys.argv[1])
+    from hostile import run
+    warnings.simplefilter("ignore")
+    for command in json.loads(sys.argv[2]):
+        print(json.dumps([command[0], *run(command)]), flush=True)
+""")
+
+
+def test_a_fifo_named_as_a_trace_or_a_part_is_refused_unopened_by_every_reader_command(tmp_path):
+    import json
+
+    from traces import write_run
+
+    write_run(tmp_path / "ok.parquet", "ok")
+    os.mkfifo(tmp_path / "pipe.parquet")
+    parts = tmp_path / "killed.parquet.parts"
+    w = actrace.Writer(tmp_path / "w.parquet", flush_every=1)
+    w.record_activation(0, "fc", np.ones((4, 2), np.float32), kind="relu")
+    shutil.copytree(w.parts, parts)  # a writer's parts, as a killed writer leaves them
+    w.discard()
+    os.mkfifo(parts / "part-000002.parquet")
+    commands = [[*command, str(tmp_path / "ok.parquet"), str(fifo)] for fifo in (tmp_path / "pipe.parquet", parts)
+                for command in (["validate"], ["inspect"], ["summary"], ["summary", "--engine", "duckdb"], ["findings"],
+                                ["check"], ["diff"], ["sweep", "--by", "lr"], ["report", "-o", str(tmp_path / "r.html")])]
+    res = subprocess.run([sys.executable, "-c", READERS, os.path.dirname(__file__), json.dumps(commands)],
+                         capture_output=True, text=True, timeout=600)  # a hang: every command blocked on the pipe
+    answers = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(answers) == len(commands), res.stderr[-2000:]
+    for (command, code, out, err), args in zip(answers, commands):
+        assert code in (1, 2), (args, code, out, err)
+        assert "not a regular file (a pipe, a device or a socket): not read" in out + err, (args, out, err)
