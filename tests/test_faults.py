@@ -247,3 +247,40 @@ def test_a_fifo_named_as_a_trace_or_a_part_is_refused_unopened_by_every_reader_c
     for (command, code, out, err), args in zip(answers, commands):
         assert code in (1, 2), (args, code, out, err)
         assert "not a regular file (a pipe, a device or a socket): not read" in out + err, (args, out, err)
+
+
+WRITERS = textwrap.dedent("""
+    import os, sys, time, warnings, numpy as np, actrace
+    warnings.simplefilter("error")  # a trace left as its parts (a compaction broken under it) fails the count
+    path, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
+    held = overlaps = 0
+    while time.monotonic() < until:
+        try:
+            w = actrace.Writer(path, overwrite=True, run=f"p{os.getpid()}", flush_every=1)
+        except FileExistsError:  # another writer holds it: refused at once
+            continue
+        try:  # while this writer holds the trace, no other may: the holder's mark is made only once
+            os.close(os.open(path + ".holder", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            mine = True
+        except FileExistsError:
+            overlaps, mine = overlaps + 1, False
+        for step in range(2):
+            w.record_activation(step, "fc", np.ones((4, 2), np.float32), kind="relu")
+        if mine:
+            os.unlink(path + ".holder")
+        assert str(w.close()) == path  # compacted, its parts removed
+        held += 1
+    print(held, overlaps)
+""")
+
+
+def test_concurrent_writers_of_one_trace_with_overwrite_never_hold_it_together(tmp_path):
+    path = tmp_path / "t.parquet"
+    writers = [subprocess.Popen([sys.executable, "-c", WRITERS, str(path), "2"], stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    answers = [w.communicate(timeout=HUNG)[0].split() for w in writers]
+    assert all(w.returncode == 0 for w in writers), answers
+    held, overlaps = (sum(int(a[i]) for a in answers) for i in (0, 1))
+    print(f"{held} holds, {overlaps} overlapping")
+    assert held >= 1 and overlaps == 0
+    assert validate(path) == [] and not list(tmp_path.glob("t.parquet.*"))  # one whole trace; no parts, no lock

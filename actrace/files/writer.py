@@ -137,13 +137,17 @@ def _lock(path: Path):
         import fcntl
     except ImportError:  # no flock (Windows): one writer per trace is then the user's to keep
         return None
-    f = os.fdopen(os.open(lock_path(path), os.O_RDONLY | os.O_CREAT, 0o644))
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
+    while True:
+        f = os.fdopen(os.open(lock_path(path), os.O_RDONLY | os.O_CREAT, 0o644))
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
+        if _same_file(f, lock_path(path)):
+            break
+        f.close()  # a file its holder removed as it let go (we opened it just before): it guards nothing now
     try:
         lock_path(path).write_text(f"pid {os.getpid()} on {socket.gethostname()}, since "
                                    f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
@@ -151,6 +155,16 @@ def _lock(path: Path):
         f.close()
         raise
     return f
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file `f` is the one at `path` now."""
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _is_trace(path: Path) -> bool:
