@@ -284,3 +284,33 @@ def test_concurrent_writers_of_one_trace_with_overwrite_never_hold_it_together(t
     print(f"{held} holds, {overlaps} overlapping")
     assert held >= 1 and overlaps == 0
     assert validate(path) == [] and not list(tmp_path.glob("t.parquet.*"))  # one whole trace; no parts, no lock
+
+
+def test_a_full_disk_keeps_readings_up_to_the_cap_writes_them_when_space_returns_and_counts_the_rest(small_disk):
+    import warnings
+
+    from actrace.files.table import row_bytes
+
+    rng = np.random.default_rng(0)
+    x = lambda: rng.normal(size=(16, 64)).astype(np.float32)  # noqa: E731 - one reading's tensor
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        w = actrace.Writer(small_disk / "t.parquet", flush_every=1, flush_seconds=0.0, buffer_bytes=100_000)
+        filler, most = small_disk / "filler", 0
+        for step in range(120):
+            if step == 20:  # the disk fills up
+                with open(filler, "wb") as f, pytest.raises(OSError, match="No space left"):
+                    f.write(b"x" * (8 << 20))
+            if step == 90:  # and space comes back
+                filler.unlink()
+            w.record_activation(step, "gate", x(), kind="tanh")
+            most = max(most, sum(map(row_bytes, w._rows)))
+        w.close()
+    table, meta = read_source(small_disk / "t.parquet")
+    kept = set(table["step"].to_pylist())
+    assert most <= 100_000 and 0 < w.lost < 70  # memory held to the cap: some readings kept, the rest dropped
+    assert set(range(20)) | set(range(91, 120)) <= kept and len(kept) + w.lost == 120  # each kept one written
+    assert meta["status"] == f"incomplete: {w.lost} readings lost" and validate(small_disk / "t.parquet") == []
+    lines = [str(m.message) for m in said if str(small_disk / "t.parquet") in str(m.message)]
+    assert sum("newer readings are dropped" in line for line in lines) == 1  # said once when it starts
+    assert sum(f"{w.lost} readings were lost" in line for line in lines) == 1  # and at close

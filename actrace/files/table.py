@@ -82,6 +82,14 @@ class LayerRows:
         return out
 
 
+ROW_BYTES = 1024  # what a row holds beside its arrays (a tuple of ~45 slots, its numbers and shape), about
+
+
+def row_bytes(r: tuple) -> int:
+    """The memory a buffered `row` holds, about: its per-unit lists and histogram, and ROW_BYTES."""
+    return ROW_BYTES + sum(a.nbytes for a in r[-len(_LISTS):] if a is not None)
+
+
 def rows_to_table(rows: list[tuple]) -> pa.Table:
     """A table of the spec's schema from buffered `row`s."""
     cols: dict[str, list | pa.Array] = dict(zip(_COLUMNS, map(list, zip(*rows)))) if rows else \

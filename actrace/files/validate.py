@@ -23,8 +23,9 @@ from actrace.format.schema import (KIND_BOUNDS, KINDS, MAX_NAME, READING_KEY, SA
 
 MAX_ROWS_PER_CHECK = 5
 MAX_CONFIG_DEPTH = 64  # nesting of the `config` JSON: deeper is no configuration, and costs a parser its stack
-STATUS = re.compile(r"running|complete|closed at exit|interrupted|terminated|failed: \w+"
-                    r"|incomplete: no \w+ reading(, no \w+ reading)*")
+_LACK = r"(no \w+ reading|\d+ readings lost)"
+STATUS = re.compile(rf"running|complete|closed at exit|interrupted|terminated|failed: \w+"
+                    rf"|incomplete: {_LACK}(, {_LACK})*")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from actrace.reduce.reading import LayerTotals
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, bounds_for, safe_name
 from actrace.files.lake import path_run
 from actrace.files.location import location, remote, remove
-from actrace.files.table import LayerRows, row, rows_to_table
+from actrace.files.table import ROW_BYTES, LayerRows, row, row_bytes, rows_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
@@ -70,8 +70,9 @@ def _watch_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def status(failed: BaseException | None, *, at_exit: bool = False, missing=()) -> str:
-    """The trace's `status` at close (spec §File metadata): how the run ended, or what it lacked."""
+def status(failed: BaseException | None, *, at_exit: bool = False, missing=(), lost: int = 0) -> str:
+    """The trace's `status` at close (spec §File metadata): how the run ended, or what it lacked (a
+    stream `missing`; readings `lost` to a buffer full while the disk refused writes)."""
     import sys
 
     if at_exit:
@@ -83,7 +84,8 @@ def status(failed: BaseException | None, *, at_exit: bool = False, missing=()) -
         return "terminated"
     if failed is not None and not (isinstance(failed, SystemExit) and failed.code in (0, None)):
         return f"failed: {type(failed).__name__}"
-    return "incomplete: " + ", ".join(f"no {stream} reading" for stream in missing) if missing else "complete"
+    lacks = [f"no {stream} reading" for stream in missing] + [f"{lost} readings lost"] * bool(lost)
+    return "incomplete: " + ", ".join(lacks) if lacks else "complete"
 
 
 @atexit.register
@@ -228,14 +230,18 @@ class Writer:
     (`lm_head/weight` → `wte/weight`; spec §File metadata). Buffered readings become a durable
     part file every `flush_every` readings or `flush_seconds`,
     whichever comes first: a killed run loses at most its last seconds, and a part file (two
-    fsyncs) is written rarely enough not to slow a training step.
+    fsyncs) is written rarely enough not to slow a training step. While the disk refuses writes,
+    readings wait in memory up to `buffer_bytes` (then a flush comes at once) and are written when it
+    takes writes again; past that the newest are dropped, counted in the trace's status (`incomplete:
+    N readings lost`, where the run ended cleanly) and said at close.
     """
 
     def __init__(self, path, *, run: str | None = None, framework: str = "numpy",
                  framework_version: str | None = None, adapter: str = "actrace.numpy",
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
-                 flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None):
+                 flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None,
+                 buffer_bytes: int = 256 << 20):
         if config is not None and not isinstance(config, dict):  # the spec's config is a JSON object
             raise TypeError(f"config must be a dict (the run's settings by name), not a {type(config).__name__}")
         self.path = location(path)
@@ -256,11 +262,13 @@ class Writer:
         self.run = self._safe(run or path_run(self.path))
         self.mode = mode
         self.probe_fingerprint = probe_fingerprint
-        self.flush_every, self.flush_seconds = flush_every, flush_seconds
+        self.flush_every, self.flush_seconds, self.buffer_bytes = flush_every, flush_seconds, buffer_bytes
         self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
                                   adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
                                   probe_size=probe_size, mode=mode, aliases=aliases)
         self._rows: list[tuple] = []  # `table.row`s
+        self._buffered = 0  # their bytes, about (`table.row_bytes`)
+        self.lost = 0  # readings dropped: the buffer full while the disk refused writes
         self._layer_rows: LayerRows | None = None  # `record_totals`' rows, made for the last batch's tensors
         self._layer_index: dict[str, int] = {}
         self._previous_params: dict[tuple[str, str], np.ndarray] = {}
@@ -361,7 +369,8 @@ class Writer:
                            wall_time)  # its values as they are now
             self._last_step[key] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
-            self._rows.append(buffered)
+            if self._room(row_bytes(buffered)):
+                self._rows.append(buffered)
         self._flush_if_due()
 
     def record_totals(self, step: int, batch: LayerTotals, *, layer_indexes: list[int],
@@ -382,7 +391,8 @@ class Writer:
                 self._last_step[key] = step
                 kept.append(i)
         self.streams |= rows.streams
-        self._rows += rows.rows(batch, step, mode, wall_time, kept)
+        if self._room(len(kept) * ROW_BYTES, len(kept)):  # layer-level rows: no list in them
+            self._rows += rows.rows(batch, step, mode, wall_time, kept)
         self._flush_if_due()
 
     def _forked(self, said: bool = False) -> bool:
@@ -415,9 +425,25 @@ class Writer:
         """The probe fingerprint a row of this stream carries: a probe's streams only."""
         return fingerprint if stream in ("activation", "activation_grad") else None
 
+    def _room(self, size: int, readings: int = 1) -> bool:
+        """Whether `readings` of `size` bytes join the buffer. While the disk takes writes they always do
+        (a flush comes when the buffer reaches `buffer_bytes`); while it refuses, up to `buffer_bytes`,
+        the readings kept to be written when it takes writes again, and past them the newest are dropped:
+        counted in `lost` (the trace's status says it), said once now and at close. Memory stays bounded."""
+        if self._unwritable and self._buffered + size > self.buffer_bytes:
+            if not self.lost:
+                warnings.warn(f"actrace: {self.path}: the disk still refuses writes and the readings buffered fill "
+                              f"buffer_bytes ({self.buffer_bytes} bytes): newer readings are dropped until it takes "
+                              "writes again, counted in the trace's status", stacklevel=4)
+            self.lost += readings
+            return False
+        self._buffered += size
+        return True
+
     def _flush_if_due(self) -> None:
         due = time.monotonic() - self._last_flush >= self.flush_seconds
-        if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
+        full = len(self._rows) >= self.flush_every or self._buffered >= self.buffer_bytes
+        if due or (full and not self._unwritable):  # a refusing disk: on the clock
             self.flush()
 
     def _safe(self, name: str) -> str:
@@ -538,6 +564,7 @@ class Writer:
         self._n_parts += 1
         self.readings_written += len(self._rows)
         self._rows.clear()
+        self._buffered = 0
         self._unwritable = False
         return True
 
@@ -571,7 +598,11 @@ class Writer:
         if self.closed or self._forked():
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
-        self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
+        self.meta["status"] = status(failed, at_exit=at_exit, missing=missing, lost=self.lost)
+        if self.lost:
+            warnings.warn(f"actrace: {self.path}: {self.lost} readings were lost: the disk refused writes while "
+                          f"buffer_bytes ({self.buffer_bytes} bytes) of readings waited; the trace's status says so",
+                          stacklevel=2)
         if no_gradient:
             self.meta["no_gradient"] = json.dumps(list(no_gradient))
         if self._n_parts == 0 and self._rows and self._write_whole():
@@ -582,7 +613,8 @@ class Writer:
             parts = sorted(self.parts.glob("part-*.parquet"), key=str)
             if len(parts) < self._n_parts:  # a store's listing that lags its writes: the parts stay
                 raise OSError(f"{len(parts)} of the {self._n_parts} part files written are listed")
-            tables = [_read_part(p) for p in parts]
+            # what the last flush could not write goes into the trace with the parts (space may have come back)
+            tables = [_read_part(p) for p in parts] + ([] if flushed else [rows_to_table(self._rows)])
             table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)), self.path)
         except self._refusals as exc:  # the trace stays as its part files, readable, status `running`
