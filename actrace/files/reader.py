@@ -41,7 +41,10 @@ def trace_sources(paths, unwritten: bool = False) -> list:
             if not m.exists():
                 raise TraceError(f"{m}: no such file or directory")
             found = traces_in(m, unwritten) if m.is_dir() and not m.name.endswith(".parts") else [m]
-            sources += [p for p in (compacted(f) or f for f in found) if p not in sources]
+            for f in found:
+                f = compacted(f) or f  # where a trace and its parts are both listed: once, the trace
+                if f not in sources:
+                    sources.append(f)
     return sources
 
 
