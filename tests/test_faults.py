@@ -295,7 +295,12 @@ def test_concurrent_writers_of_one_trace_with_overwrite_never_hold_it_together(t
 def test_a_full_disk_keeps_readings_up_to_the_cap_writes_them_when_space_returns_and_counts_the_rest(small_disk):
     import warnings
 
-    from actrace.files.table import row_bytes
+    from actrace.files.table import ROW_BYTES
+
+    def held(rows) -> int:  # the memory of the rows buffered: each array their lists are views of, once
+        arrays = [a for r in rows for a in r if isinstance(a, np.ndarray)]
+        owners = {id(o): o.nbytes for o in (a.base if isinstance(a.base, np.ndarray) else a for a in arrays)}
+        return len(rows) * ROW_BYTES + sum(owners.values())
 
     rng = np.random.default_rng(0)
     x = lambda: rng.normal(size=(16, 64)).astype(np.float32)  # noqa: E731 - one reading's tensor
@@ -310,7 +315,7 @@ def test_a_full_disk_keeps_readings_up_to_the_cap_writes_them_when_space_returns
             if step == 90:  # and space comes back
                 filler.unlink()
             w.record_activation(step, "gate", x(), kind="tanh")
-            most = max(most, sum(map(row_bytes, w._rows)))
+            most = max(most, held(w._rows))
         w.close()
     table, meta = read_source(small_disk / "t.parquet")
     kept = set(table["step"].to_pylist())

@@ -267,7 +267,7 @@ class Writer:
                                   adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
                                   probe_size=probe_size, mode=mode, aliases=aliases)
         self._rows: list[tuple] = []  # `table.row`s
-        self._buffered = 0  # their bytes, about (`table.row_bytes`)
+        self._buffered, self._counted = 0, set()  # their bytes, about, and the arrays counted (`table.row_bytes`)
         self.lost = 0  # readings dropped: the buffer full while the disk refused writes
         self._layer_rows: LayerRows | None = None  # `record_totals`' rows, made for the last batch's tensors
         self._layer_index: dict[str, int] = {}
@@ -369,8 +369,10 @@ class Writer:
                            wall_time)  # its values as they are now
             self._last_step[key] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
-            if self._room(row_bytes(buffered)):
+            size, owners = row_bytes(buffered, self._counted)
+            if self._room(size):
                 self._rows.append(buffered)
+                self._counted |= owners
         self._flush_if_due()
 
     def record_totals(self, step: int, batch: LayerTotals, *, layer_indexes: list[int],
@@ -564,7 +566,7 @@ class Writer:
         self._n_parts += 1
         self.readings_written += len(self._rows)
         self._rows.clear()
-        self._buffered = 0
+        self._buffered, self._counted = 0, set()
         self._unwritable = False
         return True
 
