@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from actrace.files.location import location, remote, remove
-from actrace.files.reader import TraceError, checked, part_files, trace_sources, unwritten
+from actrace.files.reader import TraceError, checked, compacted, part_files, settled, trace_sources, unwritten
 from actrace.files.validate import metadata_problems
 from actrace.format import metadata
 from actrace.format.schema import SCHEMA
@@ -40,12 +40,7 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
             runs.append(meta)
             continue
         try:
-            meta, mine, readings = {}, [], 0
-            for f in part_files(source):
-                pf = metadata.open_file(f)
-                meta = checked(pf, f)
-                mine.append((str(f), pf.schema_arrow.names))
-                readings += pf.metadata.num_rows
+            source, meta, mine, readings = settled(_footers, source)
             problems = metadata_problems(meta, source)
             if problems:
                 raise TraceError(str(problems[0]))
@@ -66,6 +61,18 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
     return files, runs, [f.name for f in SCHEMA if f.name not in present]
 
 
+def _footers(source) -> tuple:
+    """(source, its metadata, (file, column names) of each of its Parquet files, its rows), from the
+    files' footers, each checked (`checked`)."""
+    meta, mine, readings = {}, [], 0
+    for f in part_files(source):
+        pf = metadata.open_file(f)
+        meta = checked(pf, f)
+        mine.append((str(f), pf.schema_arrow.names))
+        readings += pf.metadata.num_rows
+    return source, meta, mine, readings
+
+
 def _missing(absent: list[str], dialect: str) -> str:
     """The absent spec columns as nulls of their type, for the `readings` view."""
     types = {"float32": "FLOAT", "double": "DOUBLE", "int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR"}
@@ -82,10 +89,22 @@ def _missing(absent: list[str], dialect: str) -> str:
 
 
 def on_duckdb(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
-    """(metric table, side rows, runs) of the traces, computed by DuckDB."""
+    """(metric table, side rows, runs) of the traces, computed by DuckDB. A `.parts` folder its writer
+    compacted between this process's look at its footers and DuckDB's read is read again, as its
+    compacted trace (a retry follows a compaction)."""
     duckdb = _engine("duckdb", "duckdb")
 
-    files, runs, absent = traces(paths, skip_invalid)
+    while True:
+        files, runs, absent = traces(paths, skip_invalid)
+        try:
+            return _duckdb_tables(duckdb, files, runs, absent, th)
+        except duckdb.IOException:
+            if not any(compacted(location(meta["file"])) for meta in runs):
+                raise
+
+
+def _duckdb_tables(duckdb, files: list[str], runs: list[dict], absent: list[str],
+                   th: Thresholds) -> tuple[pl.DataFrame, pl.DataFrame, list[dict]]:
     con = duckdb.connect()
     stores = {type(where.fs): where.fs for where in map(location, files) if remote(where)}
     for fs in stores.values():  # object storage through its fsspec filesystem; DuckDB asks for the

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from actrace.files.reader import TraceError, part_files, read_source
+from actrace.files.reader import TraceError, part_files, read_source, settled
 from actrace.format.schema import shown
 from actrace.files.validate import metadata_problems, row_problems
 
@@ -15,7 +15,12 @@ COLUMNS = ["layer", "layer_index", "kind", "units", "stream", "step", "param"]
 
 
 def describe(source: Path) -> dict:
-    """A JSON-ready summary of one trace source, once what it reads is known to follow the spec."""
+    """A JSON-ready summary of one trace source, once what it reads is known to follow the spec; of its
+    compacted trace where its writer compacted it while it was read (`settled`)."""
+    return settled(_describe, source)
+
+
+def _describe(source: Path) -> dict:
     table, meta = read_source(source, COLUMNS)
     problems = metadata_problems(meta, source) + row_problems(table, source, read=COLUMNS)
     if problems:

@@ -4,6 +4,7 @@ partition columns from the path) and a reader picks partitions by path before it
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 from urllib.parse import unquote
 
@@ -43,9 +44,15 @@ def traces_in(folder, unwritten: bool = False) -> list:
     files, empty = _files(folder)
     traces = [f for f in files if f.endswith(".parquet") and all("=" in d for d in f.split("/")[:-1])]
     parts = {f.rsplit("/", 1)[0] for f in files + [f"{d}/" for d in (empty if unwritten else ())]
-             if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts")
+             if "/" in f and f.rsplit("/", 1)[0].endswith(".parquet.parts") and _part_or_none(f.rsplit("/", 1)[1])
              and all("=" in d for d in f.split("/")[:-2])}
     return [folder / f for f in sorted(traces)] + [folder / p for p in sorted(parts)]
+
+
+def _part_or_none(name: str) -> bool:
+    """Whether a name in a `.parts` folder makes it a trace: a part file's (not its writer's temporary
+    file, mid-flush), or none (an unwritten folder's)."""
+    return not name or fnmatch.fnmatchcase(name, "part-*.parquet")
 
 
 def _files(folder) -> tuple[list[str], list[str]]:
@@ -60,6 +67,6 @@ def _files(folder) -> tuple[list[str], list[str]]:
         dirs[:] = [d for d in dirs if "=" in d or d.endswith(".parquet.parts")]
         rel = os.path.relpath(here, folder).replace(os.sep, "/")
         out += [n if rel == "." else f"{rel}/{n}" for n in names]
-        if rel.endswith(".parquet.parts") and not names and not dirs:
+        if rel.endswith(".parquet.parts") and not any(map(_part_or_none, names)) and not dirs:
             empty.append(rel)
     return out, empty

@@ -37,15 +37,40 @@ def trace_sources(paths, unwritten: bool = False) -> list:
         for m in matches:
             if m.name.endswith(".parquet.lock"):
                 continue  # a writer's lock beside its trace (spec §Files), which `runs/*` matches too
+            m = compacted(m) or m
             if not m.exists():
                 raise TraceError(f"{m}: no such file or directory")
-            if m.is_dir() and not m.name.endswith(".parts"):  # a folder of traces, or a lake of partitions
-                sources += [p for p in traces_in(m, unwritten) if p not in sources]
-            elif m not in sources:
-                sources.append(m)
-    # a compacted trace wins over the parts left by the same writer mid-compaction
-    names = {s for s in sources if not s.name.endswith(".parts")}
-    return [s for s in sources if not (s.name.endswith(".parts") and s.with_name(s.name[:-6]) in names)]
+            found = traces_in(m, unwritten) if m.is_dir() and not m.name.endswith(".parts") else [m]
+            for f in found:
+                f = compacted(f) or f  # where a trace and its parts are both listed: once, the trace
+                if f not in sources:
+                    sources.append(f)
+    return sources
+
+
+def compacted(source):
+    """The compacted trace of a `NAME.parquet.parts` folder, where its writer has written it: it wins
+    over the parts, which the writer removes next (spec §Files); else None."""
+    if not source.name.endswith(".parquet.parts"):
+        return None
+    trace = source.with_name(source.name.removesuffix(".parts"))
+    return trace if trace.exists() else None
+
+
+def settled(read, source):
+    """`read(source)`; where `source` is a `.parts` folder that its writer compacted before or while it
+    was read (its parts gone, some or all, under the read), `read` of the compacted trace instead: a
+    reader meeting a compaction reads the parts or the finished trace, never a part of either."""
+    if compacted(source) is None:
+        try:
+            answer = read(source)
+        except (TraceError, OSError):  # a part removed under the read
+            if compacted(source) is None:
+                raise
+        else:
+            if compacted(source) is None:
+                return answer
+    return read(compacted(source))
 
 
 def unwritten(source) -> dict | None:
@@ -53,7 +78,8 @@ def unwritten(source) -> dict | None:
     no reading, status `running`, the run its path names (its writer's default: it names no other
     anywhere yet); None for any other source. Its writer has not flushed yet, or never will: it was
     killed before its first flush."""
-    if not (source.name.endswith(".parquet.parts") and source.is_dir()) or any(source.glob("part-*.parquet")):
+    if not (source.name.endswith(".parquet.parts") and source.is_dir()) or any(source.glob("part-*.parquet")) \
+            or compacted(source) is not None:
         return None
     return {"run_name": path_run(source.with_name(source.name.removesuffix(".parts"))), "status": "running",
             "file": str(source), "readings": 0}
@@ -106,40 +132,45 @@ def _read(pf: pq.ParquetFile, path: Path, columns: list[str]) -> pa.Table:
 
 def read_source(source: Path, columns: list[str] | None = None, *, when=None) -> tuple[pa.Table, dict[str, str]]:
     """One trace source as an Arrow table of spec columns, plus its file metadata. `when` is a list
-    of (names, needed): those columns are read from a file only where `needed(table of the other
-    columns)` is true, and are null elsewhere, so a reader pays for them only where they matter.
+    of (names, needed): those columns are read only where `needed(table of the other columns)` is
+    true of the whole trace, every part file's rows together, and are null otherwise, so a reader pays
+    for them only where they matter and a trace has one schema however its rows fell into parts.
     Every part file's schema is checked first (`checked`); the parts of a `.parts` directory must be
-    one run's; a directory compacted while it is read is read from its compacted trace."""
-    when = list(when or ())
+    one run's; a directory compacted while it is read is read from its compacted trace (`settled`)."""
+    return settled(lambda s: _read_source(s, columns, list(when or ())), source)
+
+
+def _read_source(source: Path, columns: list[str] | None, when: list) -> tuple[pa.Table, dict[str, str]]:
     lazy = {name for names, _ in when for name in names}
     want = [c for c in SCHEMA.names if columns is None or c in columns]
-    tables, meta, run_id = [], {}, None
-    try:
-        files = part_files(source)
-        for f in files:
-            pf = metadata.open_file(f)  # one footer read gives the metadata and the columns
-            meta = checked(pf, f)
-            if run_id is not None and meta.get("run_id") != run_id:
-                raise TraceError(f"{f}: a part of another run (run_id {meta.get('run_id')!r}, not {run_id!r}) "
-                                 f"in {source}")
-            run_id = meta.get("run_id")
-            present = set(pf.schema_arrow.names)
-            table = _read(pf, f, [c for c in want if c in present and c not in lazy])
-            extra = {c for names, needed in when if needed(table) for c in names}
-            if extra:
-                extra = _read(pf, f, [c for c in want if c in present and c in extra])
-                for name in extra.column_names:
-                    table = table.append_column(extra.schema.field(name), extra[name])
-            for name in want:  # not asked for here, or a column an older minor version lacks: null
-                if name not in table.column_names:
-                    table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
-            tables.append(table.select(want))
-    except TraceError:
-        compacted = source.with_name(source.name.removesuffix(".parts"))
-        if source.name.endswith(".parts") and compacted.exists():
-            return read_source(compacted, columns, when=when)  # its writer closed it while we read
-        raise
-    return pa.concat_tables(tables), meta
+    opened, meta, run_id = [], {}, None
+    for f in part_files(source):
+        pf = metadata.open_file(f)  # one footer read gives the metadata and the columns
+        meta = checked(pf, f)
+        if run_id is not None and meta.get("run_id") != run_id:
+            raise TraceError(f"{f}: a part of another run (run_id {meta.get('run_id')!r}, not {run_id!r}) "
+                             f"in {source}")
+        run_id = meta.get("run_id")
+        opened.append((f, pf, set(pf.schema_arrow.names)))
+    eager = [c for c in want if c not in lazy]
+    tables = [_read(pf, f, [c for c in eager if c in present]) for f, pf, present in opened]
+    whole = pa.concat_tables(_spec_columns(t, eager) for t in tables)
+    extra = {c for names, needed in when if needed(whole) for c in names}
+    if extra:
+        for i, (f, pf, present) in enumerate(opened):
+            more = _read(pf, f, [c for c in want if c in present and c in extra])
+            for name in more.column_names:
+                tables[i] = tables[i].append_column(more.schema.field(name), more[name])
+    return pa.concat_tables(_spec_columns(t, want) for t in tables), meta
+
+
+def _spec_columns(table: pa.Table, want: list[str]) -> pa.Table:
+    """`table` with the columns `want`, in that order; one it lacks (not asked for here, or a column an
+    older minor version lacks) null."""
+    for name in want:
+        if name not in table.column_names:
+            table = table.append_column(SCHEMA.field(name), pa.nulls(len(table), SCHEMA.field(name).type))
+    return table.select(want)
 
 
 def read_table(paths, columns: list[str] | None = None) -> pa.Table:

@@ -82,6 +82,22 @@ class LayerRows:
         return out
 
 
+ROW_BYTES = 1024  # what a row holds beside its arrays (a tuple of ~45 slots, its numbers and shape), about
+
+
+def row_bytes(r: tuple, counted: set[int]) -> tuple[int, set[int]]:
+    """The memory a buffered `row` adds to a buffer that holds the arrays `counted` (their ids), about,
+    and the ids of the arrays it adds: ROW_BYTES and each array its lists and histogram are views of (a
+    reduction's lists are slices of one buffer, which they keep), once however many rows share it."""
+    owners = {}
+    for a in r[-len(_LISTS):]:
+        if a is not None:
+            owner = a.base if isinstance(a.base, np.ndarray) else a
+            if id(owner) not in counted:
+                owners[id(owner)] = owner.nbytes
+    return ROW_BYTES + sum(owners.values()), set(owners)
+
+
 def rows_to_table(rows: list[tuple]) -> pa.Table:
     """A table of the spec's schema from buffered `row`s."""
     cols: dict[str, list | pa.Array] = dict(zip(_COLUMNS, map(list, zip(*rows)))) if rows else \

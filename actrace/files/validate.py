@@ -17,14 +17,15 @@ import pyarrow.compute as pc
 
 from actrace.format import metadata
 from actrace.format.bins import N_BINS
-from actrace.files.reader import TraceError, _read, part_files, trace_sources
+from actrace.files.reader import TraceError, _read, part_files, settled, trace_sources
 from actrace.format.schema import (KIND_BOUNDS, KINDS, MAX_NAME, READING_KEY, SAT_COUNTS, SCALAR_INDEX, SCHEMA, SPEC_VERSION,
                      STREAMS, UNIT_COLUMNS, FORBIDDEN_IN_NAMES, minor_version, schema_problems)
 
 MAX_ROWS_PER_CHECK = 5
 MAX_CONFIG_DEPTH = 64  # nesting of the `config` JSON: deeper is no configuration, and costs a parser its stack
-STATUS = re.compile(r"running|complete|closed at exit|interrupted|terminated|failed: \w+"
-                    r"|incomplete: no \w+ reading(, no \w+ reading)*")
+_LACK = r"(no \w+ reading|\d+ readings lost)"
+STATUS = re.compile(rf"running|complete|closed at exit|interrupted|terminated|failed: \w+"
+                    rf"|incomplete: {_LACK}(, {_LACK})*")
 
 
 @dataclass
@@ -297,7 +298,12 @@ def duplicates(t: pa.Table) -> np.ndarray:
 
 def validate_source(source: Path) -> list[Problem]:
     """Every problem of one trace source: each part file's, then those across them (one run, no
-    reading twice, part files named as the spec names them)."""
+    reading twice, part files named as the spec names them); a `.parts` folder compacted while it is
+    validated, its compacted trace's (`settled`)."""
+    return settled(_validate_source, source)
+
+
+def _validate_source(source: Path) -> list[Problem]:
     try:
         files = part_files(source)
     except TraceError as exc:

@@ -8,6 +8,7 @@ only after it is complete.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,7 +30,7 @@ from actrace.reduce.reading import LayerTotals
 from actrace.format.schema import MAX_NAME, SCALAR_INDEX, SCHEMA, bounds_for, safe_name
 from actrace.files.lake import path_run
 from actrace.files.location import location, remote, remove
-from actrace.files.table import LayerRows, row, rows_to_table
+from actrace.files.table import ROW_BYTES, LayerRows, row, row_bytes, rows_to_table
 
 # floats split into byte streams before zstd: their exponent bytes (and a float64 sum's zero low
 # bytes) compress apart from the noisy mantissa, 15-25 % smaller traces (bench/bench_size.py)
@@ -69,8 +70,9 @@ def _watch_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def status(failed: BaseException | None, *, at_exit: bool = False, missing=()) -> str:
-    """The trace's `status` at close (spec §File metadata): how the run ended, or what it lacked."""
+def status(failed: BaseException | None, *, at_exit: bool = False, missing=(), lost: int = 0) -> str:
+    """The trace's `status` at close (spec §File metadata): how the run ended, or what it lacked (a
+    stream `missing`; readings `lost` to a buffer full while the disk refused writes)."""
     import sys
 
     if at_exit:
@@ -82,7 +84,8 @@ def status(failed: BaseException | None, *, at_exit: bool = False, missing=()) -
         return "terminated"
     if failed is not None and not (isinstance(failed, SystemExit) and failed.code in (0, None)):
         return f"failed: {type(failed).__name__}"
-    return "incomplete: " + ", ".join(f"no {stream} reading" for stream in missing) if missing else "complete"
+    lacks = [f"no {stream} reading" for stream in missing] + [f"{lost} readings lost"] * bool(lost)
+    return "incomplete: " + ", ".join(lacks) if lacks else "complete"
 
 
 @atexit.register
@@ -147,25 +150,41 @@ def writer_holds(path: Path) -> bool:
 
 def _lock(path: Path):
     """The lock of one trace, held for its writer's life (`flock`, released by the system if the
-    process dies): a second writer of the same trace fails at once, naming the holder."""
+    process dies): a second writer of the same trace fails at once, naming the holder. It is held on
+    a descriptor open for reading only, so the writer keeps no file open for writing between flushes
+    (a file system can then be remounted read-only under a run; the run is told at its next write)."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): one writer per trace is then the user's to keep
         return None
-    f = open(lock_path(path), "a+")
+    while True:
+        f = os.fdopen(os.open(lock_path(path), os.O_RDONLY | os.O_CREAT, 0o644))
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
+        if _same_file(f, lock_path(path)):
+            break
+        f.close()  # a file its holder removed as it let go (we opened it just before): it guards nothing now
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
+        lock_path(path).write_text(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                                   f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    except BaseException:
         f.close()
-        raise FileExistsError(f"{path}: another writer holds this trace ({holder}); one writer per trace") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-    f.flush()
+        raise
     return f
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file `f` is the one at `path` now."""
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _is_trace(path: Path) -> bool:
@@ -192,8 +211,10 @@ def write_parquet(table: pa.Table, path) -> None:
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
         _fsync(tmp)
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written file behind; a read-only one
+            tmp.unlink(missing_ok=True)  # none to remove, and its refusal is not what is said
+        raise
     _fsync(path.parent)
 
 
@@ -227,14 +248,18 @@ class Writer:
     (`lm_head/weight` → `wte/weight`; spec §File metadata). Buffered readings become a durable
     part file every `flush_every` readings or `flush_seconds`,
     whichever comes first: a killed run loses at most its last seconds, and a part file (two
-    fsyncs) is written rarely enough not to slow a training step.
+    fsyncs) is written rarely enough not to slow a training step. While the disk refuses writes,
+    readings wait in memory up to `buffer_bytes` (then a flush comes at once) and are written when it
+    takes writes again; past that the newest are dropped, counted in the trace's status (`incomplete:
+    N readings lost`, where the run ended cleanly) and said at close.
     """
 
     def __init__(self, path, *, run: str | None = None, framework: str = "numpy",
                  framework_version: str | None = None, adapter: str = "actrace.numpy",
                  config: dict | None = None, probe_fingerprint: str | None = None,
                  probe_size: int | None = None, mode: str | None = None, flush_every: int = 4096,
-                 flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None):
+                 flush_seconds: float = 10.0, overwrite: bool = False, expect=(), aliases: dict[str, str] | None = None,
+                 buffer_bytes: int = 256 << 20):
         if config is not None and not isinstance(config, dict):  # the spec's config is a JSON object
             raise TypeError(f"config must be a dict (the run's settings by name), not a {type(config).__name__}")
         self.path = location(path)
@@ -244,6 +269,42 @@ class Writer:
                 raise ValueError(f"{p} is a symbolic link: a trace is not written through one")
         if self.path.is_dir():
             raise ValueError(f"{self.path} is a folder: give the trace's file name, runs/NAME.parquet")
+        try:
+            self._claim(overwrite)
+        except OSError as exc:  # a folder that refuses (read-only, a file where a folder should be): one line
+            if exc.errno is None:  # one of ours, in its own words
+                raise
+            raise type(exc)(f"{self.path}: cannot start the trace there ({exc.strerror}: {exc.filename})") from None
+        self._unwritable = False
+        self._names: dict[str, str] = {}
+        self.run = self._safe(run or path_run(self.path))
+        self.mode = mode
+        self.probe_fingerprint = probe_fingerprint
+        self.flush_every, self.flush_seconds, self.buffer_bytes = flush_every, flush_seconds, buffer_bytes
+        self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
+                                  adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
+                                  probe_size=probe_size, mode=mode, aliases=aliases)
+        self._rows: list[tuple] = []  # `table.row`s
+        self._buffered, self._counted = 0, set()  # their bytes, about, and the arrays counted (`table.row_bytes`)
+        self.lost = 0  # readings dropped: the buffer full while the disk refused writes
+        self._layer_rows: LayerRows | None = None  # `record_totals`' rows, made for the last batch's tensors
+        self._layer_index: dict[str, int] = {}
+        self._previous_params: dict[tuple[str, str], np.ndarray] = {}
+        self._last_step: dict[tuple[str, str, str | None], int] = {}
+        self._n_parts = 0
+        self._unloggable: set[str] = set()
+        self.expect, self.streams = tuple(expect), set()  # streams a closed trace must hold, and those it got
+        self.dropped, self._said_dropped = 0, set()  # readings at a step that did not grow
+        self._pid, self._said_forked = os.getpid(), False
+        _open_writers.add(self)
+        _watch_sigterm()
+        self._last_flush = time.monotonic()
+        self.readings_written = 0
+        self.closed = False
+
+    def _claim(self, overwrite: bool) -> None:
+        """Take the trace's place: its folder, its lock, its part folder (an old trace there replaced
+        only with `overwrite`, and only if it is a trace)."""
         if remote(self.path):  # no folders to make, and no lock: one writer per trace is the user's to keep
             _bucket(self.path)
             self._lock = None
@@ -264,29 +325,6 @@ class Writer:
         except BaseException:
             self._unlock()
             raise
-        self._unwritable = False
-        self._names: dict[str, str] = {}
-        self.run = self._safe(run or path_run(self.path))
-        self.mode = mode
-        self.probe_fingerprint = probe_fingerprint
-        self.flush_every, self.flush_seconds = flush_every, flush_seconds
-        self.meta = metadata.make(run=self.run, framework=framework, framework_version=framework_version,
-                                  adapter=adapter, config=config, probe_fingerprint=probe_fingerprint,
-                                  probe_size=probe_size, mode=mode, aliases=aliases)
-        self._rows: list[tuple] = []  # `table.row`s
-        self._layer_rows: LayerRows | None = None  # `record_totals`' rows, made for the last batch's tensors
-        self._layer_index: dict[str, int] = {}
-        self._previous_params: dict[tuple[str, str], np.ndarray] = {}
-        self._last_step: dict[tuple[str, str, str | None], int] = {}
-        self._n_parts = 0
-        self._unloggable: set[str] = set()
-        self.expect, self.streams = tuple(expect), set()  # streams a closed trace must hold, and those it got
-        self.dropped, self._said_dropped = 0, set()  # readings at a step that did not grow
-        _open_writers.add(self)
-        _watch_sigterm()
-        self._last_flush = time.monotonic()
-        self.readings_written = 0
-        self.closed = False
 
     def __enter__(self) -> "Writer":
         return self
@@ -306,14 +344,21 @@ class Writer:
 
     def discard(self) -> None:
         """Close without writing a trace (only sensible when nothing was recorded)."""
+        if self._forked():
+            return
         self.closed = True
         remove(self.parts)
         self._unlock()
 
     def _unlock(self) -> None:
-        """Let the next writer of this trace in: the lock file goes, its lock with it."""
+        """Let the next writer of this trace in: the lock file goes, its lock with it. Where the folder
+        refuses (it went read-only mid-run) the file stays: its lock goes with the descriptor all the
+        same, and the next writer takes the file over; nothing of the trace is in it."""
         if self._lock is not None:
-            lock_path(self.path).unlink(missing_ok=True)
+            try:
+                lock_path(self.path).unlink(missing_ok=True)
+            except OSError:
+                pass
             self._lock.close()
             self._lock = None
 
@@ -327,6 +372,8 @@ class Writer:
                     probe_fingerprint: str | None = None, layer_indexes: list[int] | None = None) -> None:
         """Buffer readings taken together at `step` (one probe or gradient reading of a model);
         `layer_indexes`: each one's depth, else the order layers were first recorded."""
+        if self._forked(said=True):
+            return
         step, mode, wall_time = self._stamp(step, mode)
         fingerprint = probe_fingerprint or self.probe_fingerprint
         for i, reading in enumerate(readings):
@@ -340,13 +387,18 @@ class Writer:
                            wall_time)  # its values as they are now
             self._last_step[key] = step  # marked recorded once its row is made
             self.streams.add(reading.stream)
-            self._rows.append(buffered)
+            size, owners = row_bytes(buffered, self._counted)
+            if self._room(size):
+                self._rows.append(buffered)
+                self._counted |= owners
         self._flush_if_due()
 
     def record_totals(self, step: int, batch: LayerTotals, *, layer_indexes: list[int],
                       mode: str | None = None) -> None:
         """`record_many` of `batch.readings()` (a per-step gradient reading's parameters), whose rows
         are made from the batch's totals by `LayerRows` kept for the next batch of the same tensors."""
+        if self._forked(said=True):
+            return
         step, mode, wall_time = self._stamp(step, mode)
         rows = self._layer_rows
         if rows is None or not rows.fits(batch, layer_indexes):
@@ -359,8 +411,23 @@ class Writer:
                 self._last_step[key] = step
                 kept.append(i)
         self.streams |= rows.streams
-        self._rows += rows.rows(batch, step, mode, wall_time, kept)
+        if self._room(len(kept) * ROW_BYTES, len(kept)):  # layer-level rows: no list in them
+            self._rows += rows.rows(batch, step, mode, wall_time, kept)
         self._flush_if_due()
+
+    def _forked(self, said: bool = False) -> bool:
+        """Whether this process is a fork of the one that opened the writer (`os.fork`, multiprocessing's
+        fork start): the trace, its part files and its lock are the parent's, so here the writer never
+        writes, flushes, closes or unlocks. Readings recorded here are skipped, said once (`said`); a
+        child that only exits (its `atexit`, a `with` block it unwinds) is silent."""
+        if os.getpid() == self._pid:
+            return False
+        if said and not self._said_forked:
+            self._said_forked = True
+            warnings.warn(f"actrace: {self.path}: process {os.getpid()} is a fork of process {self._pid}, which "
+                          "writes this trace: readings recorded here are not written (a child makes a Writer or "
+                          "Monitor of its own)", stacklevel=4)
+        return True
 
     def _stamp(self, step: int, mode: str | None) -> tuple[int, str | None, float]:
         """A recording's step, mode and wall time, once the writer may still take it."""
@@ -378,9 +445,25 @@ class Writer:
         """The probe fingerprint a row of this stream carries: a probe's streams only."""
         return fingerprint if stream in ("activation", "activation_grad") else None
 
+    def _room(self, size: int, readings: int = 1) -> bool:
+        """Whether `readings` of `size` bytes join the buffer. While the disk takes writes they always do
+        (a flush comes when the buffer reaches `buffer_bytes`); while it refuses, up to `buffer_bytes`,
+        the readings kept to be written when it takes writes again, and past them the newest are dropped:
+        counted in `lost` (the trace's status says it), said once now and at close. Memory stays bounded."""
+        if self._unwritable and self._buffered + size > self.buffer_bytes:
+            if not self.lost:
+                warnings.warn(f"actrace: {self.path}: the disk still refuses writes and the readings buffered fill "
+                              f"buffer_bytes ({self.buffer_bytes} bytes): newer readings are dropped until it takes "
+                              "writes again, counted in the trace's status", stacklevel=4)
+            self.lost += readings
+            return False
+        self._buffered += size
+        return True
+
     def _flush_if_due(self) -> None:
         due = time.monotonic() - self._last_flush >= self.flush_seconds
-        if due or (len(self._rows) >= self.flush_every and not self._unwritable):  # a refusing disk: on the clock
+        full = len(self._rows) >= self.flush_every or self._buffered >= self.buffer_bytes
+        if due or (full and not self._unwritable):  # a refusing disk: on the clock
             self.flush()
 
     def _safe(self, name: str) -> str:
@@ -483,6 +566,8 @@ class Writer:
         """Write the buffered readings as one complete part file; True when they are on disk. Where
         the disk refuses (full, read-only), the readings stay buffered for the next flush and this
         is said once: a monitor never takes training down."""
+        if self._forked():
+            return False
         self._last_flush = time.monotonic()
         if not self._rows:
             return True
@@ -499,6 +584,7 @@ class Writer:
         self._n_parts += 1
         self.readings_written += len(self._rows)
         self._rows.clear()
+        self._buffered, self._counted = 0, set()
         self._unwritable = False
         return True
 
@@ -529,10 +615,14 @@ class Writer:
         `interrupted` (Ctrl-C) or `terminated` (SIGTERM); `incomplete: no STREAM reading` when a
         stream it was told to `expect` got none. `no_gradient`: the `LAYER/PARAM` names of parameters
         that required a gradient and never got one (spec §File metadata)."""
-        if self.closed:
+        if self.closed or self._forked():
             return self.path
         missing = [s for s in self.expect if s not in self.streams]
-        self.meta["status"] = status(failed, at_exit=at_exit, missing=missing)
+        self.meta["status"] = status(failed, at_exit=at_exit, missing=missing, lost=self.lost)
+        if self.lost:
+            warnings.warn(f"actrace: {self.path}: {self.lost} readings were lost: the disk refused writes while "
+                          f"buffer_bytes ({self.buffer_bytes} bytes) of readings waited; the trace's status says so",
+                          stacklevel=2)
         if no_gradient:
             self.meta["no_gradient"] = json.dumps(list(no_gradient))
         if self._n_parts == 0 and self._rows and self._write_whole():
@@ -543,7 +633,8 @@ class Writer:
             parts = sorted(self.parts.glob("part-*.parquet"), key=str)
             if len(parts) < self._n_parts:  # a store's listing that lags its writes: the parts stay
                 raise OSError(f"{len(parts)} of the {self._n_parts} part files written are listed")
-            tables = [_read_part(p) for p in parts]
+            # what the last flush could not write goes into the trace with the parts (space may have come back)
+            tables = [_read_part(p) for p in parts] + ([] if flushed else [rows_to_table(self._rows)])
             table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
             write_parquet(table.replace_schema_metadata(metadata.encode(self.meta)), self.path)
         except self._refusals as exc:  # the trace stays as its part files, readable, status `running`

@@ -7,6 +7,7 @@ import json
 import math
 import platform
 import socket
+import stat
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,9 +70,12 @@ def open_file(path: Path) -> pq.ParquetFile:
     """One Parquet file of a trace, opened once: its footer read, its pages' CRC checksums verified
     as they are read (a flipped bit is corruption, not a number). A footer that declares more than
     MAX_FOOTER bytes is refused before it is parsed: reading costs what the file holds, not what it
-    claims. `path`: a local path, or an object-store location (`UPath`), read by ranges."""
+    claims. A local file that is not a regular one (a FIFO, a device) is refused without being opened.
+    `path`: a local path, or an object-store location (`UPath`), read by ranges."""
     path = path if hasattr(path, "open") else Path(path)
     try:
+        if isinstance(path, Path) and not stat.S_ISREG(path.stat().st_mode):  # asked before opening: a pipe blocks
+            raise TraceError(f"{path}: not a regular file (a pipe, a device or a socket): not read")
         f = path.open("rb")  # an object's handle read on by the Parquet reader: each range fetched once
         size = f.seek(0, 2)
         f.seek(max(size - 8, 0))

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
-SPEC_VERSION = "1.4"
+SPEC_VERSION = "1.5"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
 
 STREAMS = ("activation", "activation_grad", "param_grad", "param", "scalar")  # scalar: 1.2

@@ -1,6 +1,8 @@
 """A run that did not finish cleanly, or left nothing to judge it by (metadata `status`, spec §File metadata)."""
 from __future__ import annotations
 
+import re
+
 from actrace.files.location import location, remote
 from actrace.files.writer import writer_holds
 
@@ -19,9 +21,14 @@ RUN_FAILED = Rule("run_failed", "critical", "the trace's `status` is `failed: TY
 RUN_STOPPED = Rule("run_stopped", "critical", "the trace's `status` is `interrupted` or `terminated`",
                    "the run was stopped (Ctrl-C or a termination signal) before it finished; its readings up to then "
                    "are kept", reads=("status",))
-STREAM_MISSING = Rule("stream_missing", "critical", "the trace's `status` is `incomplete: …`",
+STREAM_MISSING = Rule("stream_missing", "critical", "the trace's `status` is `incomplete: no STREAM reading…`",
                       "the monitor never got what it was set to read: call monitor.step(step) after loss.backward() "
                       "and before optimizer.zero_grad()", reads=("status",))
+READINGS_LOST = Rule("readings_lost", "critical", "the trace's `status` says `N readings lost` (spec 1.5): its writer "
+                     "dropped readings it could not write (the disk or store refused them and its buffer was full); "
+                     "the findings read what was kept, and nothing of the lost steps can pass a gate",
+                     "free space on the trace's disk or fix its store, or raise the writer's buffer_bytes; the trace holds "
+                     "every reading before and after the gap", reads=("status",))
 RUN_EMPTY = Rule("run_empty", "critical", "a closed trace holds no reading",
                  "the trace was closed without a reading: the monitor read nothing (no probe reading due, no layer "
                  "selected?), so nothing about this run can pass a gate", reads=("status",))
@@ -55,10 +62,15 @@ def check(view, r):
     if status in ("interrupted", "terminated"):
         return make(RUN_STOPPED, view.run, "-", -1, f"the run was {status} before it finished")
     if status.startswith("incomplete"):
-        return make(STREAM_MISSING, view.run, "-", -1, f"the run closed {status}")
+        lost = re.search(r"(\d+) readings lost", status)
+        said = [make(STREAM_MISSING, view.run, "-", -1, f"the run closed {status}")] if re.search(
+            r"no \w+ reading", status) else []
+        return said + ([make(READINGS_LOST, view.run, "-", -1, f"the run closed {status}: {lost[1]} readings its writer "
+                             "could not write were dropped, counted", value=int(lost[1]), threshold=0)] if lost else [])
     if meta.get("readings") == 0:  # closed cleanly, yet with nothing to judge it by
         return make(RUN_EMPTY, view.run, "-", -1, f"{file} holds no reading")
     return None
 
 
-FAMILY = Family((RUN_UNFINISHED, RUN_RUNNING, RUN_FAILED, RUN_STOPPED, STREAM_MISSING, RUN_EMPTY), check)
+FAMILY = Family((RUN_UNFINISHED, RUN_RUNNING, RUN_FAILED, RUN_STOPPED, STREAM_MISSING, READINGS_LOST, RUN_EMPTY),
+                check)
