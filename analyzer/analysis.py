@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +37,9 @@ class Baseline:
     @property
     def said(self) -> str:
         return f"{', '.join(self.runs)} (chosen by {self.why})"
+
+    def _replace_why(self, why: str) -> Baseline:
+        return Baseline(self.runs, self.why.replace("--baseline", why, 1))
 
 
 def project_baseline(start: Path | None = None) -> tuple[str | None, str]:
@@ -98,12 +102,16 @@ class Analysis:
         file's `baseline` (`actrace.toml` here or in a folder above), each a run's name or KEY=VALUE
         (the runs whose config holds that value: a baseline's seeds); else none. Never the file that
         sorts first: a broken run would be every run's yardstick."""
-        why = "--baseline"
+        why, names = "--baseline", [m.get("run_name") for m in self.read]
         if requested is None:
             requested, why = project_baseline()
             if requested is None:
                 return None
-        names = [m.get("run_name") for m in self.read]
+            try:
+                return self.baseline(requested)._replace_why(why)
+            except ValueError as exc:  # the project's baseline is not among these traces: said, not fatal
+                warnings.warn(f"{why}: {exc}; no baseline for these traces", stacklevel=2)
+                return None
         if requested in names:
             return Baseline([requested], why)
         key, eq, value = requested.partition("=")
@@ -116,9 +124,9 @@ class Analysis:
             if chosen and len(chosen) < len(names):
                 return Baseline(chosen, f"{why} {requested}: the runs whose config has {key} = {value}")
             if chosen:
-                raise ValueError(f"{why} {requested!r}: every run has {key} = {value}: nothing left to compare")
-        raise ValueError(f"{why} {requested!r} is neither a run ({', '.join(map(str, names))}) nor a config KEY=VALUE "
-                         "that a run's config holds")
+                raise ValueError(f"baseline {requested!r}: every run has {key} = {value}: nothing left to compare")
+        raise ValueError(f"baseline {requested!r} is neither a run ({', '.join(map(str, names))}) nor a config "
+                         "KEY=VALUE that a run's config holds")
 
     @cached_property
     def keys(self) -> pl.DataFrame:

@@ -5,7 +5,8 @@ NaN, units dying, a layer gone, vanishing or exploding gradients, and every run 
 cleanly), and on every finding of the rules a threshold given on the command line is read by
 (`--max-dead 0.2` gates dead_high, dead_growing and layer_dead at that level). A consequence (a
 finding another explains: `Finding.cause`) is judged through its cause: on its own only where the
-gate passes its cause (a NaN gradient norm under --min-grad-norm with --fail-on never).
+gate does not judge its cause but judges it (a NaN gradient norm under --min-grad-norm with --fail-on
+never); allowing a rule (`--allow layer_dead`) allows what follows from its findings too.
 A threshold with nothing to read in a run (`--max-saturation` on a ReLU-only net) is said once, as a
 note, and fails only under `strict`. A run still being written (its writer holds the trace) is
 `running`, not failed, unless `require_finished`. The answer is the same bytes for the same input.
@@ -55,7 +56,7 @@ class Gate:
     verdicts: list[Verdict]
     violations: list[Violation]
     notes: list[str]
-    gates: list[str]              # the rules (and thresholds) judged: JUnit's test cases per run
+    gates: list[str]              # the rules (and, under --strict, thresholds) judged: JUnit's test cases per run
 
     @property
     def passed(self) -> bool:
@@ -89,7 +90,8 @@ def gate(latest: pl.DataFrame, found: list[Finding], runs: list[str], *, given: 
     gated = {rule: name for name in given for rule in rules_of(name)}
 
     def fails(f: Finding) -> bool:
-        if f.rule in allow or (f.rule == "run_running" and not require_finished):
+        allowed = f.rule in allow or (f.cause is not None and f.cause.split("@")[0] in allow)  # and what follows
+        if allowed or (f.rule == "run_running" and not require_finished):
             return False
         severe = fail_on != "never" and SEVERITY_RANK[f.severity] <= SEVERITY_RANK[fail_on]
         return severe or f.rule in gated or (no_nan and f.rule == "nan_inf") or f.rule == "run_running"
@@ -101,13 +103,17 @@ def gate(latest: pl.DataFrame, found: list[Finding], runs: list[str], *, given: 
                                  f"{f.severity} finding {f.rule}" + (f" since step {f.step}" if f.step >= 0 else "")
                                  + (f" (because of {f.cause})" if f.cause else "") + f": {f.evidence}", f.value,
                                  f.threshold))
+    silent: dict[str, list] = {}
     for name, run, columns in unreadable(latest, runs, given):
-        flag = THRESHOLDS[name].flag
-        said = f"{flag}: nothing to read in run {shown(run)} (no {columns} there)"
+        said = f"{THRESHOLDS[name].flag}: nothing to read in run {shown(run)} (no {columns} there)"
         if strict:
             out.append(Violation(name, run, "-", name, -1, said + ", and --strict fails it", None, given[name]))
         else:
-            notes.append(said + ": not judged (--strict fails it)")
+            silent.setdefault(name, []).append((run, columns))
+    for name, where in silent.items():  # said once per threshold, whatever the number of runs
+        names = ", ".join(shown(run) for run, _ in where[:5]) + (" …" if len(where) > 5 else "")
+        notes.append(f"{THRESHOLDS[name].flag}: nothing to read (no {where[0][1]}) in {len(where)} run(s): {names}: "
+                     "not judged there (--strict fails them)")
     order = {run: i for i, run in enumerate(runs)}
     out.sort(key=lambda v: (order.get(v.run, len(order)), v.gate != "findings", v.gate, v.step, v.layer, v.rule))
     running = {f.run for f in found if f.rule == "run_running"}
@@ -115,7 +121,7 @@ def gate(latest: pl.DataFrame, found: list[Finding], runs: list[str], *, given: 
     for run in runs:
         rules = list(dict.fromkeys(v.rule for v in out if v.run == run))
         verdicts.append(Verdict(run, "failed" if rules else "running" if run in running else "passed", rules))
-    return Gate(verdicts, out, notes, sorted(REGISTRY) + sorted(given))
+    return Gate(verdicts, out, notes, sorted(REGISTRY) + (sorted(given) if strict else []))
 
 
 def as_text(g: Gate) -> str:
@@ -143,11 +149,14 @@ def as_junit(g: Gate) -> str:
         run = verdict.run
         mine = [v for v in g.violations if v.run == run]
         suite = ET.SubElement(suites, "testsuite", name=shown(run), tests=str(len(g.gates)),
-                              failures=str(len({v.rule for v in mine})))
+                              failures=str(len({v.rule for v in mine})),
+                              skipped=str(len(g.gates) if verdict.verdict == "running" else 0))
         for rule in g.gates:
             case = ET.SubElement(suite, "testcase", classname=f"actrace.{shown(run)}", name=rule)
             failed = [v for v in mine if v.rule == rule]
-            if failed:
+            if verdict.verdict == "running":  # judged when it ends (--require-finished fails it now)
+                ET.SubElement(case, "skipped", message="the run is still being written")
+            elif failed:
                 failure = ET.SubElement(case, "failure", message=f"{len(failed)} violation(s) of {rule}")
                 failure.text = "\n".join(f"{shown(v.layer)}: {shown(v.message)}" for v in failed)
     ET.indent(suites)

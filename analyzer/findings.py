@@ -17,15 +17,13 @@ import numpy as np
 import polars as pl
 
 from actrace.format.recurrent import describe
-from actrace.format.schema import DERIVED_KINDS
 
 from .metrics import Thresholds
-from .rules import ADVICE, FAMILIES, REGISTRY, RULES_VERSION, SEVERITY_RANK, Finding, Rules, RunView  # noqa: F401
+from .rules import FAMILIES, REGISTRY, RULES_VERSION, SEVERITY_RANK, Finding, Rules, RunView
 from .rules._base import Layer
-from .rules.mean_drift import MEAN_KINDS
 from .trends import series_bounds
 
-__all__ = ["ADVICE", "FINDING_COLUMNS", "Finding", "FindingGroup", "Rules", "SEVERITY_RANK", "findings",
+__all__ = ["FINDING_COLUMNS", "RULES_VERSION", "Finding", "FindingGroup", "Rules", "SEVERITY_RANK", "findings",
            "findings_frame", "group"]
 
 
@@ -57,22 +55,16 @@ def _per_layer(m: pl.DataFrame):
 
 
 def _layers(m: pl.DataFrame) -> dict[str, list[Layer]]:
-    """Each run's activation layers, with what a rule needs to know of their place in the model."""
+    """Each run's activation layers (a recurrent layer's final state left out: it is the last step of
+    its sequence, judged there)."""
     names: dict[str, set] = {}
     for run, layer in m.select("run", "layer").unique().iter_rows():
         names.setdefault(run, set()).add(layer)
-    acts = m.filter((pl.col("stream") == "activation") & ~pl.col("kind").is_in(DERIVED_KINDS))
-    # each run's output: no next layer gets its biased values (a regression's target, a softmax's logits)
-    last_mean = dict(acts.filter(pl.col("kind").is_in(MEAN_KINDS)).group_by("run").agg(
-        pl.col("layer_index").max()).iter_rows())
-    last = dict(acts.group_by("run").agg(pl.col("layer_index").max()).iter_rows())  # the model's output
     out: dict[str, list[Layer]] = {}
     for run, layer, g in _per_layer(m):
         what = describe(layer, names[run])
-        if what and what[1].startswith("final"):
-            continue  # a final state is the last step of its sequence, judged there
-        index = int(g["layer_index"][0])
-        out.setdefault(run, []).append(Layer(layer, g, what, index == last.get(run), index == last_mean.get(run)))
+        if not (what and what[1].startswith("final")):
+            out.setdefault(run, []).append(Layer(layer, g, what))
     return out
 
 

@@ -61,7 +61,7 @@ def rulebook() -> str:
     out += ["", "## Thresholds", "", "| threshold | flag | default | rules | meaning |", "| --- | --- | --- | --- | --- |"]
     for family in FAMILIES:
         for t in family.thresholds:
-            rules = ", ".join(f"`{r.name}`" for r in family.rules)
+            rules = ", ".join(f"`{r.name}`" for r in family.rules if t.name in r.uses)
             out.append(f"| `{t.name}` | `{t.flag}` | {t.default if t.default is not None else 'off'} | {rules} | "
                        f"{_table_cell(t.help)} |")
     return "\n".join(out) + "\n\n" + CHANGELOG

@@ -389,6 +389,13 @@ def count(text: str) -> int:
     return int(text)
 
 
+def baseline_option(p) -> None:
+    """--baseline, of the commands that compare runs with one (summary, report; diff takes its first path)."""
+    p.add_argument("--baseline", metavar="RUN", help="run the others are compared with, or KEY=VALUE: the runs whose "
+                   "config holds it (a baseline's seeds); default: baseline = \"RUN\" in actrace.toml (here or in a "
+                   "folder above), else none (never the file that sorts first)")
+
+
 def version() -> str:
     """The package's version, the trace format's and the rules'."""
     from actrace.format.metadata import __version__
@@ -462,9 +469,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="saturated when within (1-T) of a bound, e.g. |tanh| >= T (default 0.99)")
         p.add_argument("--dormant-tau", type=number(), default=0.1, metavar="TAU",
                        help="a live unit is dormant when its RMS is <= TAU x the layer's mean unit RMS (default 0.1)")
-        p.add_argument("--baseline", metavar="RUN", help="run the others are compared with, or KEY=VALUE: the runs "
-                       "whose config holds it (a baseline's seeds); default: baseline = \"RUN\" in actrace.toml, "
-                       "else none (never the file that sorts first)")
         p.add_argument("--x", choices=["step", "progress"], default="step",
                        help="align runs by step or by fraction of training")
         p.add_argument("--mapping", metavar="FILE", help="layer alignment: CSV run,layer,aligned or JSON")
@@ -520,8 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("-o", "--output", help="write the answer here instead of stdout")
     p = analyzer_command("report", "write a self-contained offline HTML report", cmd_report)
+    baseline_option(p)
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p = analyzer_command("summary", "findings and a per-layer table in the terminal", cmd_summary)
+    baseline_option(p)
     p.add_argument("--format", choices=["text", "json", "csv"], default="text",
                    help="json/csv: per-(run, layer, step) metrics for machines")
     p.add_argument("-o", "--output", help="write json/csv here instead of stdout")

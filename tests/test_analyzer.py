@@ -141,7 +141,7 @@ def test_the_loss_is_said_to_move_as_its_medians_read(before, later, said):
     from actrace.analyzer.rules._shared import loss_rose as _loss_rose
 
     values = (before * 10)[:10] + [later] * 10
-    rose, evidence = _loss_rose(pl.DataFrame({"step": list(range(20)), "value": values}), 0, 10, 19)
+    rose, evidence = _loss_rose(pl.DataFrame({"step": list(range(20)), "value": values}), 0, 10, 19, 10.0)
     assert rose == {"rose:": True, "still": False, "held": None}[said.split()[2]] and evidence == f"; {said}"
 
 

@@ -80,7 +80,7 @@ def test_check_without_rules_fails_on_critical_findings(cli, runs):
 @pytest.mark.parametrize("args,message", [
     (["summary", "nowhere/*.parquet"], "no trace matches"),
     (["summary", "--sat-threshold", "1.5", "X"], "--sat-threshold must lie in (0, 1)"),
-    (["summary", "--baseline", "zzz", "R"], "--baseline 'zzz' is neither a run (dying, healthy, nan) nor a config "
+    (["summary", "--baseline", "zzz", "R"], "baseline 'zzz' is neither a run (dying, healthy, nan) nor a config "
                                            "KEY=VALUE"),
     # NaN compares false with every limit: a NaN threshold would switch its gate off, a NaN ε every death
     (["check", "--max-dead", "nan", "X"], "argument --max-dead: 'nan': expected a finite number in [0, 1]"),

@@ -20,15 +20,15 @@ from traces import relu_layer, write_run
 STEPS = range(0, 300, 20)
 
 
-def masked_softmax_and_nan(path):
+def masked_softmax_and_nan(path, masked: int = 4, lr: float = 0.1):
     """A softmax half of whose entries are masked to exact zeros (no dead unit: a softmax's zeros are
     masked entries), a ReLU with 12 of 32 units killed (dead 37.5 %), a linear layer whose reading
     holds a NaN at the last step (no dead fraction to read there), and healthy gradients."""
     rng = np.random.default_rng(0)
-    with actrace.Writer(path, run="one", overwrite=True) as w:
+    with actrace.Writer(path, run=path.stem, overwrite=True, config={"lr": lr}) as w:
         for step in STEPS:
             logits = rng.normal(size=(64, 8))
-            logits[:, 4:] = -np.inf
+            logits[:, 8 - masked:] = -np.inf
             p = np.exp(logits - logits.max(1, keepdims=True))
             w.record_activation(step, "attn", (p / p.sum(1, keepdims=True)).astype(np.float32), kind="softmax")
             w.record_activation(step, "relu", relu_layer(rng, 32, 12), kind="relu")
@@ -58,6 +58,7 @@ def test_one_trace_reads_one_way_in_every_command_and_engine(tmp_path, cli):
     assert {tables["polars"][("attn", str(s))] for s in STEPS} == {""}  # null, not 0.5
     assert tables["polars"][("proj", last)] == "" and float(tables["polars"][("proj", "0")]) == 3 / 16
     assert {float(tables["polars"][("relu", str(s))]) for s in STEPS} == {12 / 32}
+    assert path.stem == "one"
     gate = cli("check", path, "--max-dead", "0.2", "--format", "json")
     answer = json.loads(gate.stdout)
     assert gate.returncode == 1 and answer["rules_version"] == RULES_VERSION
@@ -68,6 +69,13 @@ def test_one_trace_reads_one_way_in_every_command_and_engine(tmp_path, cli):
     assert {f["rules_version"] for f in found} == {RULES_VERSION}
     table = cli("summary", path).stdout
     assert [line.split()[4] for line in table.splitlines() if line.strip().startswith("attn ")] == ["-"]
+    other = tmp_path / "two.parquet"  # 6 of 8 entries masked where `one` masks 4: as many 'dead' units, if read so
+    masked_softmax_and_nan(other, masked=6, lr=1.0)
+    parted = json.loads(cli("diff", path, other, "--format", "json").stdout)
+    assert not [p for p in parted["partings"] if p["metric"] == "dead_fraction"], parted
+    swept = json.loads(cli("sweep", path, other, "--by", "lr", "--format", "json").stdout)
+    assert {o["rule"] for o in swept["onsets"]} == {"nan_inf", "dead_high"}  # the ReLU's 37.5 %, not the softmax
+    assert swept["rules_version"] == RULES_VERSION
 
 
 def dying_stack(path, *, zeroed_at=None, dead_from=100):

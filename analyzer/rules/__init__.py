@@ -32,7 +32,6 @@ def _families() -> tuple[Family, ...]:
 FAMILIES = _families()
 REGISTRY: dict[str, Rule] = {rule.name: rule for family in FAMILIES for rule in family.rules}
 THRESHOLDS: dict[str, Threshold] = {t.name: t for family in FAMILIES for t in family.thresholds}
-ADVICE = {name: rule.advice for name, rule in REGISTRY.items()}
 Rules = make_dataclass("Rules", [(t.name, float | int | None, field(default=t.default)) for t in THRESHOLDS.values()],
                        frozen=True, namespace={"__doc__": "The findings rules' thresholds (analysis options, never "
                                                           "recorded in traces): one field per `Threshold` declared."})
@@ -44,9 +43,9 @@ def family_of(threshold: str) -> Family:
 
 
 def rules_of(threshold: str) -> tuple[str, ...]:
-    """The rules a threshold is read by (a gate given that threshold judges them)."""
-    return tuple(rule.name for rule in family_of(threshold).rules)
+    """The rules that test a threshold (`Rule.uses`): a gate given that threshold judges them."""
+    return tuple(rule.name for rule in family_of(threshold).rules if threshold in rule.uses)
 
 
-__all__ = ["ADVICE", "FAMILIES", "REGISTRY", "RULES_VERSION", "Rules", "SEVERITY_RANK", "THRESHOLDS", "Finding",
+__all__ = ["FAMILIES", "REGISTRY", "RULES_VERSION", "Rules", "SEVERITY_RANK", "THRESHOLDS", "Finding",
            "Rule", "RunView", "Threshold", "family_of", "rules_of"]

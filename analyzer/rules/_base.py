@@ -38,7 +38,8 @@ class Threshold:
 @dataclass(frozen=True)
 class Rule:
     """One rule: `severity` is the one it says at (`also`: another it may say, with the reason in
-    `means`); `reads` the metric-table columns (or trace parts) it reads; `explains` the rules whose
+    `means`); `uses` the thresholds (of its family) it tests, which a gate given one of them judges it
+    by; `reads` the metric-table columns (or trace parts) it reads; `explains` the rules whose
     findings it causes, each with where they sit: `below` (at its layer or an earlier one: the
     gradients a dead layer starves), `above` (its layer or a later one: what a collapse feeds),
     `anywhere`; `explains=("*", "anywhere")` for every later finding of the run (a NaN)."""
@@ -48,6 +49,7 @@ class Rule:
     means: str
     advice: str
     reads: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()
     also: str | None = None
     explains: tuple[tuple[str, str], ...] = ()
 
@@ -111,15 +113,11 @@ def make(rule: Rule, run, layer, step, evidence, *, severity=None, score=0.0, st
 @dataclass
 class Layer:
     """One activation layer's readings in step order, as numpy arrays (nulls NaN): `g["dead_fraction"]`;
-    `what`: a recurrent reading's description (`actrace.format.recurrent.describe`), `output`: the
-    run's last activation reading (the model's output), `last_mean`: the run's last unbounded,
-    non-rectified layer (what its output activation reads)."""
+    `what`: a recurrent reading's description (`actrace.format.recurrent.describe`)."""
 
     name: str
     g: dict
     what: tuple[str, str] | None
-    output: bool
-    last_mean: bool
 
     @property
     def index(self) -> int:

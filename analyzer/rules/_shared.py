@@ -43,13 +43,11 @@ def solving(loss: pl.DataFrame | None, since: int, last: int) -> bool:
     return bool(np.median(now) < np.median(before) / 2)
 
 
-CATASTROPHIC = 10.0  # one logged loss this many times the median before (beyond its spread) is a rise
-
-
-def loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bool | None, str] | None:
+def loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int,
+              catastrophic: float) -> tuple[bool | None, str] | None:
     """Whether the logged loss over steps [mid, hi] rose above its values over [lo, mid): True where
     its median is above theirs by more than their spread about it (their median absolute deviation: a
-    minibatch loss's noise is no rise), where one step's loss is CATASTROPHIC× their median and beyond
+    minibatch loss's noise is no rise), where one step's loss is `catastrophic`× their median and beyond
     that spread (a median ignores one catastrophic step), or where it is no number; False where the
     median fell by as much; None where it held level; with the evidence. None where no loss was
     logged in either span."""
@@ -65,7 +63,7 @@ def loss_rose(loss: pl.DataFrame | None, lo: int, mid: int, hi: int) -> tuple[bo
     spread = np.median(np.abs(before - b)) if np.isfinite(before).all() else 0.0
     shown = f"its median {b:.3g} before, {n:.3g} since"
     peak = int(np.argmax(now))
-    if b > 0 and now[peak] >= CATASTROPHIC * b and now[peak] > b + spread:
+    if b > 0 and now[peak] >= catastrophic * b and now[peak] > b + spread:
         at = steps[(steps >= mid) & (steps <= hi)][peak]
         return True, f"; the loss hit {now[peak]:.3g} at step {at}, {now[peak] / b:.3g}× its median {b:.3g} before"
     if n > b + spread and f"{n:.3g}" != f"{b:.3g}":  # as the medians read

@@ -15,13 +15,15 @@ ATTENTION_ENTROPY_COLLAPSE = Rule(
     "streak to the last, unless the logged loss over it has a median under half its median over as long a span "
     "before (a model finding a one-hot solution); critical where every head of the layer is below it",
     "attention heads put all their mass on one key (entropy collapse, often with growing logits): normalize queries "
-    "and keys (QK-norm), lower the LR, or warm up longer", reads=("attention_entropy", "loss"), also="critical")
+    "and keys (QK-norm), lower the LR, or warm up longer",
+    uses=("entropy_collapse",), reads=("attention_entropy", "loss"), also="critical")
 ATTENTION_LOGIT_GROWTH = Rule(
     "attention_logit_growth", "warning",
     "a layer's largest `attention_logit` (the max over heads) is ≥ `logit_growth`× its first reading (a positive "
     "one) and ≥ `logit_limit` at every reading of a streak to the last, and rising over the recent readings",
     "attention logits keep growing, a precursor of loss divergence in large transformers: QK-norm or QK-clip, a lower "
-    "LR, weight decay on the query and key projections", reads=("attention_logit",))
+    "LR, weight decay on the query and key projections",
+    uses=("logit_limit", "logit_growth"), reads=("attention_logit",))
 
 
 def _collapse(view, r):

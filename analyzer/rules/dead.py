@@ -7,7 +7,7 @@ from ..trends import held_since, stable_since
 from ._base import Family, Rule, Threshold, make
 from ._shared import growing
 
-BELOW_AND_AFTER = (("vanishing_gradients", "below"), ("dead_growing", "above"), ("dead_high", "above"),
+BELOW_AND_AFTER = (("vanishing_gradients", "below"), ("grad_norm_low", "below"), ("dead_growing", "above"), ("dead_high", "above"),
                    ("layer_dead", "above"), ("variance_collapse", "above"), ("mean_drift", "above"),
                    ("dormant_units", "above"), ("units_pinned", "above"))
 LAYER_DEAD = Rule(
@@ -16,24 +16,25 @@ LAYER_DEAD = Rule(
     "back, whatever else follows from it (zero gradients below it, constant inputs above it)",
     "the layer is gone: lower the LR (or warm it up), use leaky ReLU or a better init variance; if its weights were "
     "zeroed or overwritten (a bad checkpoint load, weight decay on a frozen layer), restore them",
-    reads=("dead_fraction",), explains=BELOW_AND_AFTER)
+    uses=("all_dead",), reads=("dead_fraction",), explains=BELOW_AND_AFTER)
 DEAD_GROWING = Rule(
     "dead_growing", "critical",
     "the dead fraction's robust rise over the recent readings is ≥ `dead_growth` (≥ half that where its last value "
     "is above `max_dead`: many units dead and still dying), its last value ≥ half that rise above where they start",
-    "something keeps killing units: lower the LR, use leaky ReLU, check init variance", reads=("dead_fraction",))
+    "something keeps killing units: lower the LR, use leaky ReLU, check init variance",
+    uses=("dead_growth", "max_dead"), reads=("dead_fraction",))
 DEAD_HIGH = Rule(
     "dead_high", "warning", "not growing, and the dead fraction at the last reading is above `max_dead`",
     "a fixed capacity tax: weigh it against the validation metric; leaky ReLU or better init",
-    reads=("dead_fraction",))
+    uses=("max_dead", "dead_growth"), reads=("dead_fraction",))
 
 
 def check(view, layer, r):
     """dead fraction's rules over one layer (it is null where it means nothing: analyzer.meaning)."""
     g = layer.g
     steps, dead = g["step"], g["dead_fraction"]
-    known = ~np.isnan(dead)
-    if not known.any() or not known[-1]:
+    known = ~np.isnan(dead)  # a NaN reading's is null (analyzer.meaning): judged at the last reading that says
+    if not known.any():
         return None
     s, d = steps[known], dead[known]
     if d[-1] >= r.all_dead:

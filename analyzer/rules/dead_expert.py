@@ -13,7 +13,7 @@ DEAD_EXPERT = Rule(
     "an expert's tokens (`unit_sum` of `expert_load`) are 0 at every reading of a streak to the last, while the "
     "router's experts average ≥ `expert_tokens` tokens there",
     "an expert no probe token reaches stops learning: raise the router's load-balancing loss, add router noise or a "
-    "capacity limit, or re-initialize that expert's router weights", reads=("expert_load",))
+    "capacity limit, or re-initialize that expert's router weights", uses=("expert_tokens",), reads=("expert_load",))
 
 
 def check(view, r):

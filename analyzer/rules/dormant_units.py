@@ -8,7 +8,7 @@ DORMANT_UNITS = Rule(
     "dormant_units", "warning", "the dormant fraction of an activation function's output (not a softmax's) is above "
     "`max_dormant` at every reading of a streak to the last",
     "units that barely fire carry little and learn little (ReDo): re-initialize their incoming weights (recycling), "
-    "lower the weight decay, or check the learning rate", reads=("dormant_fraction",))
+    "lower the weight decay, or check the learning rate", uses=("max_dormant",), reads=("dormant_fraction",))
 
 
 def check(view, layer, r):

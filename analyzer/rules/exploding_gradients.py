@@ -14,23 +14,23 @@ EXPLODING_GRADIENTS = Rule(
     "exploding_gradients", "critical",
     "(a) the total gradient norm at each of the last 3 of a window of `exploding_window` readings is ≥ "
     "`exploding_growth`× its median before the window, above `exploding`, rising over the window, while the loss "
-    "rose (its median beyond the spread of its values before, or one step `CATASTROPHIC`× its median, or no number), "
+    "rose (its median beyond the spread of its values before, or one step `loss_catastrophic`× its median, or no "
+    "number), "
     "and it does not recover (back under that growth within a window, to the end, is a spike: no finding); where the "
     "loss held level or none was logged, the growth must be `exploding_growth`² (a warning) or "
     "reaches `exploding_unlogged` (critical, at once or later in the run); where the loss falls, none; or (b) the layers' median update ratio at a `param` "
     "reading is ≥ `update_growth`× its median over the earlier readings (3 at least)",
-    "unstable updates, divergence ahead: clip gradients, lower the LR", reads=("grad_norm", "update_ratio", "loss"),
+    "unstable updates, divergence ahead: clip gradients, lower the LR",
+    uses=("exploding", "exploding_growth", "exploding_window", "exploding_unlogged", "loss_catastrophic", "update_growth"), reads=("grad_norm", "update_ratio", "loss"),
     also="warning")
 
 
 def _recovered(total: np.ndarray, i: int, limit: float, w: int) -> bool:
     """The total norm after reading `i` falls back under `limit` within `w` readings and stays under it
-    to the end (of `w` readings at least): a spike (one bad batch) the run recovered from."""
+    to the end, for 3 readings at least: a spike (one bad batch) the run recovered from."""
     after = total[i + 1:]
-    if len(after) < w:
-        return False
-    under = np.flatnonzero(~(after >= limit))  # NaN is no recovery
-    return bool(len(under)) and under[0] < w and bool((after[under[0]:] < limit).all())
+    under = np.flatnonzero(after < limit)  # NaN is no recovery
+    return bool(len(under)) and under[0] < w and len(after) - under[0] >= 3 and bool((after[under[0]:] < limit).all())
 
 
 def _exploding(view, r):
@@ -49,7 +49,7 @@ def _exploding(view, r):
             continue  # cannot have grown enough: the median before is above the minimum before
         base = np.median(history[np.isfinite(history)])
         growth = window[-3:].min() / max(base, 1e-30)
-        rose = loss_rose(loss, steps[max(0, i - 2 * w + 1)], steps[i - w + 1], steps[i])
+        rose = loss_rose(loss, steps[max(0, i - 2 * w + 1)], steps[i - w + 1], steps[i], r.loss_catastrophic)
         risen = rose is not None and rose[0] is True
         need = r.exploding_growth if risen else r.exploding_growth ** 2
         if growth < need or theil_sen(steps[i - w + 1: i + 1], np.log10(np.maximum(window, 1e-30))) <= 0:
@@ -93,7 +93,7 @@ def _runaway_updates(view, r):
         base = np.median(u[:i])
         if not u[i] >= r.update_growth * max(base, 1e-30):
             continue
-        rose = loss_rose(view.loss, steps[i - 2], steps[i - 1], steps[i])
+        rose = loss_rose(view.loss, steps[i - 2], steps[i - 1], steps[i], r.loss_catastrophic)
         layers = per.filter(pl.col("step") == steps[i]).sort(["update_ratio", "layer"], descending=[True, False])
         worst = layers.row(0, named=True)
         said = rose[1] if rose is not None else ""
@@ -120,4 +120,6 @@ FAMILY = Family((EXPLODING_GRADIENTS,), check, thresholds=(
               whole=True),
     Threshold("exploding_unlogged", 1000.0, "growth that is critical where the loss held level or none was logged",
               low=1.0),
+    Threshold("loss_catastrophic", 10.0, "one logged loss this many times its median before (beyond its spread) is a "
+              "rise, which a median would ignore", low=1.0),
     Threshold("update_growth", 10.0, "the layers' median update ratio this many times its earlier median", low=1.0)))

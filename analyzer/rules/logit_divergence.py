@@ -13,7 +13,7 @@ LOGIT_DIVERGENCE = Rule(
     "an LM head's mean `log_z` is ≥ `log_z_rise` above its first reading at every reading of a streak to the last, "
     "and rising, unless the loss falls steeply over it (as attention_entropy_collapse reads it)",
     "the output logits' log-partition (log Z) drifts up: add a z-loss (1e-4 · log²Z), lower the LR",
-    reads=("log_z", "loss"))
+    uses=("log_z_rise",), reads=("log_z", "loss"))
 
 
 def check(view, r):

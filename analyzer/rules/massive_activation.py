@@ -12,7 +12,7 @@ MASSIVE_ACTIVATION = Rule(
     "`massive_readings` readings or more, with the same `top_unit`",
     "a few fixed units carry values far above the rest (outlier features, attention sinks): they dominate the "
     "layer's norm and break low-precision quantization; watch them against the loss, consider QK-norm, weight "
-    "decay, or an explicit attention sink", reads=("top_ratio", "top_unit"))
+    "decay, or an explicit attention sink", uses=("massive_ratio", "massive_readings"), reads=("top_ratio", "top_unit"))
 
 
 def check(view, layer, r):

@@ -10,13 +10,14 @@ MEAN_DRIFT = Rule(
     "mean_drift", "warning",
     "a `linear`, `conv`, `norm` or `identity` layer's |mean| is above `mean_drift_sigmas` std at its last finite "
     "reading, but for the run's last such layer (its output, or what its output activation reads: no next layer "
-    "gets it)", "the next layer gets biased inputs: check normalization and biases", reads=("mean", "std"))
+    "gets it)", "the next layer gets biased inputs: check normalization and biases",
+    uses=("mean_drift_sigmas",), reads=("mean", "std"))
 
 
 def check(view, layer, r):
     g = layer.g
-    if layer.kind not in MEAN_KINDS or layer.last_mean:
-        return None
+    if layer.kind not in MEAN_KINDS or layer.index == max(x.index for x in view.layers if x.kind in MEAN_KINDS):
+        return None  # the run's last such layer: its output, or what its output activation reads
     clean = g["nan_count"] + g["inf_count"] == 0  # NaN readings are nan_inf's business
     std, mean, steps = g["std"][clean], g["mean"][clean], g["step"][clean]
     if not len(mean) or not std[-1] > 0 or not abs(mean[-1]) > r.mean_drift_sigmas * std[-1]:

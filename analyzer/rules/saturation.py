@@ -13,14 +13,17 @@ SATURATION_GROWING = Rule(
     "above where they start and above `max_saturation` (`max_gate_saturation` for a recurrent gate), in a hidden layer "
     "(not a softmax, nor the run's last activation reading: an output growing confident is learning)",
     "something keeps driving this layer into its bounds, where its gradient vanishes: lower the LR, normalize its "
-    "input, or re-initialize it", reads=("saturation_value",))
+    "input, or re-initialize it",
+    uses=("saturation_growth", "max_saturation", "max_gate_saturation"), reads=("saturation_value",))
 SATURATION_SPIKE = Rule(
     "saturation_spike", "warning",
     "not growing, and per-value saturation jumps by ≥ `saturation_spike` between two readings, to above that limit",
-    "activations jumped to their bounds: lower the LR around this step", reads=("saturation_value",))
+    "activations jumped to their bounds: lower the LR around this step",
+    uses=("saturation_spike", "max_saturation", "max_gate_saturation"), reads=("saturation_value",))
 SATURATION_HIGH = Rule(
     "saturation_high", "warning", "per-value saturation at the last reading is above that limit",
-    "activations hit their bounds: lower the LR or re-initialize this layer", reads=("saturation_value",))
+    "activations hit their bounds: lower the LR or re-initialize this layer",
+    uses=("max_saturation", "max_gate_saturation"), reads=("saturation_value",))
 
 
 def check(view, layer, r):
@@ -31,7 +34,8 @@ def check(view, layer, r):
     index, limit, said = layer.index, r.max_gate_saturation if gate(what) else r.max_saturation, advice(what)
     known = ~np.isnan(sat)
     s, v = steps[known], sat[known]
-    found = not layer.output and layer.kind != "softmax" and len(s) >= 3 and known[-1] and v[-1] > limit and growing(
+    output = layer.index == max(x.index for x in view.layers)  # the model's output, growing confident
+    found = not output and layer.kind != "softmax" and len(s) >= 3 and v[-1] > limit and growing(
         SATURATION_GROWING, view.run, layer.name, s, v, r.saturation_growth,
         f"{what[1]}: saturated share" if what else "saturated share", index, said)
     if found:

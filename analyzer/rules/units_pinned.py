@@ -10,7 +10,7 @@ UNITS_PINNED = Rule(
     "units_pinned", "warning", "per-unit saturation (units pinned for every input) at the last reading is above "
     "`max_saturation_units`",
     "units stuck at a bound for every input carry no information: lower the LR, re-initialize this layer, or "
-    "normalize its input", reads=("saturation_unit",))
+    "normalize its input", uses=("max_saturation_units",), reads=("saturation_unit",))
 
 
 def check(view, layer, r):

@@ -19,7 +19,8 @@ VANISHING_GRADIENTS = Rule(
     "earliest quarter's median L2 norm is below `vanishing`, or its median RMS (norm / √values) `decay_ratio`× below "
     "the latest quarter's; at `vanishing_share` or more of the gradient readings from the first that holds to the "
     "last, which holds, and at `vanishing_readings` of them or more",
-    "gradients don't reach early layers: residual connections, shallower net, init", reads=("grad_norm",))
+    "gradients don't reach early layers: residual connections, shallower net, init",
+    uses=("vanishing", "decay_ratio", "vanishing_share", "vanishing_readings"), reads=("grad_norm",))
 
 
 def check(view, r):

@@ -13,15 +13,15 @@ VARIANCE_COLLAPSE = Rule(
     "scaled down keeps its share (a trace without per-unit sums: its std below `collapse_ratio` of the first)",
     "all outputs alike (representation collapse): check the loss design (a contrastive loss without negatives, a "
     "collapsing target), the learning rate, overfitting",
-    reads=("unit_std", "std"), explains=(("mean_drift", "above"), ("variance_collapse", "above")))
+    uses=("collapse_ratio",), reads=("unit_std", "std"), explains=(("mean_drift", "above"), ("variance_collapse", "above")))
 
 
 def check(view, layer, r):
     g = layer.g
     clean = g["nan_count"] + g["inf_count"] == 0  # NaN readings are nan_inf's business
     unit_std, std, mean, steps = g["unit_std"][clean], g["std"][clean], g["mean"][clean], g["step"][clean]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = unit_std / np.sqrt(mean ** 2 + std ** 2)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a layer gone to exactly 0 has no spread left: 0
+        share = np.where(unit_std == 0, 0.0, unit_std / np.sqrt(mean ** 2 + std ** 2))
     per_unit = len(share) and not np.isnan(share).any()
     spread = share if per_unit else std
     if len(spread) < 2 or not spread[0] > 0 or not spread[-1] < r.collapse_ratio * spread[0]:
