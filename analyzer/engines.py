@@ -16,7 +16,8 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from actrace.files.location import location, remote, remove
-from actrace.files.reader import TraceError, checked, compacted, part_files, settled, trace_sources, unwritten
+from actrace.files.reader import (TraceError, checked, compacted, part_files, settled, trace_sources, unreadable,
+                                  unwritten)
 from actrace.files.validate import metadata_problems
 from actrace.format import metadata
 from actrace.format.schema import SCHEMA
@@ -48,6 +49,7 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
             if not skip_invalid:
                 raise
             warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
+            runs.append(unreadable(source, exc))  # listed without a reading: a gate still gives it a verdict
             continue
         files += [f for f, _ in mine]
         present.update(name for _, names in mine for name in names)

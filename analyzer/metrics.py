@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actrace.format import bins
-from actrace.files.reader import TraceError, read_source, trace_sources, unwritten
+from actrace.files.reader import TraceError, read_source, trace_sources, unreadable, unwritten
 from actrace.format.schema import (DERIVED_KINDS, KINDS, PER_UNIT_KINDS, READING_KEY, SAT_COUNTS, SAT_LEVELS,
                                    SATURATING_SIDES, SCHEMA, SPEC_VERSION, STREAMS, minor_version, sat_margin)
 from actrace.files.validate import metadata_problems, row_problems, run_problems
@@ -375,22 +375,23 @@ def reduced(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[RunTable
         raise TraceError(f"no traces found in {paths}")
 
     def reduce(source):
-        if (meta := unwritten(source)) is not None:  # no reading, and the run not closed: said (status_findings)
-            rows = _counted(SCHEMA.empty_table().select(_READ), th)
-        else:
-            try:
+        try:
+            meta = unwritten(source)  # no reading, and the run not closed: said (run_unfinished)
+            if meta is None:
                 rows, meta = _reduce_source(source, th)
-            except TraceError as exc:
-                if not skip_invalid:
-                    raise
-                warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
-                return None
+        except TraceError as exc:
+            if not skip_invalid:
+                raise
+            warnings.warn(f"skipped {source}: {exc}", stacklevel=2)
+            meta = unreadable(source, exc)  # listed without a reading: a gate still gives it a verdict
+        if not meta["readings"]:
+            rows = _counted(SCHEMA.empty_table().select(_READ), th)
         side = rows.filter((pl.col("stream") == "scalar") | pl.col("kind").is_in(DERIVED_KINDS)).select(SIDE_COLUMNS)
         return source, RunRows.of(meta["run_name"], _metric_rows(rows, th).sort(ORDER)), side, meta
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = [d for d in pool.map(reduce, sources) if d is not None]
-    if not done:
+        done = list(pool.map(reduce, sources))
+    if all(meta.get("status", "").startswith("unreadable") for *_, meta in done):
         raise TraceError(f"no valid trace in {' '.join(map(str, paths)) if isinstance(paths, list) else paths}")
     # each trace holds one run (spec §Columns). A run in several traces (a resumed run, its parameters
     # in another file) has its traces reduced again together: its layers' tensors are one reading. Traces

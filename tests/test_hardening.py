@@ -3,6 +3,7 @@ no traceback and is refused clearly; outputs never destroy inputs; one writer pe
 disk takes no training down; names cannot fake terminal lines; the same input gives the same bytes."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -61,6 +62,12 @@ def test_skip_invalid_goes_on_past_a_bad_trace_naming_it(corpus, cli):
     assert res.returncode == 2 and "unknown layer kind" in res.stderr and str(bad) in res.stderr
     res = cli("summary", good, bad, "--skip-invalid")
     assert res.returncode == 0 and f"skipped {bad}" in res.stderr and "run " in res.stdout
+    # a gate never loses a run it could not read: it fails it, named (DuckDB checks the footers: a missing version)
+    for engine, refused in (("polars", bad), ("duckdb", EXAMPLES / "invalid-missing_version.parquet")):
+        gate = cli("check", good, refused, "--skip-invalid", "--format", "json", "--engine", engine)
+        verdicts = {r["run"]: (r["verdict"], r["failed_rules"]) for r in json.loads(gate.stdout)["runs"]}
+        assert gate.returncode == 1 and verdicts == {"valid-mlp": ("passed", []), refused.stem: (
+            "failed", ["trace_unreadable"])}, gate.stdout
 
 
 def test_a_footer_that_declares_20000_row_groups_is_refused_before_it_is_parsed(corpus):

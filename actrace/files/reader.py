@@ -73,6 +73,14 @@ def settled(read, source):
     return read(compacted(source))
 
 
+def unreadable(source, problem: Exception) -> dict:
+    """The run metadata of a trace an analysis left out because it breaks the spec (`--skip-invalid`):
+    no reading, status `unreadable: PROBLEM`, so a gate gives it a verdict instead of losing it."""
+    path = location(source)
+    return {"run_name": path_run(path.with_name(path.name.removesuffix(".parts"))),
+            "status": f"unreadable: {str(problem).splitlines()[0]}", "file": str(source), "readings": 0}
+
+
 def unwritten(source) -> dict | None:
     """The run metadata of a `.parts` directory with no part file in it, as an analyzer lists its runs':
     no reading, status `running`, the run its path names (its writer's default: it names no other

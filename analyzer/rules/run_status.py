@@ -29,6 +29,10 @@ READINGS_LOST = Rule("readings_lost", "critical", "the trace's `status` says `N 
                      "the findings read what was kept, and nothing of the lost steps can pass a gate",
                      "free space on the trace's disk or fix its store, or raise the writer's buffer_bytes; the trace holds "
                      "every reading before and after the gap", reads=("status",))
+TRACE_UNREADABLE = Rule("trace_unreadable", "critical", "the trace breaks the spec and an analysis given "
+                        "--skip-invalid left it out (its `status` reads `unreadable: …`): nothing of that run can pass",
+                        "`actrace validate FILE` names what is wrong with it: record the run again, or mend the file",
+                        reads=("status",))
 RUN_EMPTY = Rule("run_empty", "critical", "a closed trace holds no reading",
                  "the trace was closed without a reading: the monitor read nothing (no probe reading due, no layer "
                  "selected?), so nothing about this run can pass a gate", reads=("status",))
@@ -57,6 +61,8 @@ def check(view, r):
                     "first flush")
     if status == "running":
         return make(RUN_UNFINISHED, view.run, "-", -1, f"{file} was not closed (status running)")
+    if status.startswith("unreadable"):
+        return make(TRACE_UNREADABLE, view.run, "-", -1, f"{file} was left out, {status}")
     if status.startswith("failed"):
         return make(RUN_FAILED, view.run, "-", -1, f"the run ended with an exception ({status})")
     if status in ("interrupted", "terminated"):
@@ -72,5 +78,5 @@ def check(view, r):
     return None
 
 
-FAMILY = Family((RUN_UNFINISHED, RUN_RUNNING, RUN_FAILED, RUN_STOPPED, STREAM_MISSING, READINGS_LOST, RUN_EMPTY),
-                check)
+FAMILY = Family((RUN_UNFINISHED, RUN_RUNNING, RUN_FAILED, RUN_STOPPED, STREAM_MISSING, READINGS_LOST, TRACE_UNREADABLE,
+                 RUN_EMPTY), check)
