@@ -14,12 +14,16 @@ CHANGELOG = """\
   format and the metrics) and are versioned here; every findings output names this version.
   New: `layer_dead` (critical: a layer ≥ 95 % dead, however it got there: a layer gone mid-run is no
   "fixed capacity tax"), `run_running` (a trace its writer still holds: `check` says `running`, not
-  failed), `grad_norm_low` / `grad_norm_high` (`check`'s gradient limits as rules). Causes before
+  failed), `grad_norm_low` / `grad_norm_high` (`check`'s gradient limits as rules), `readings_lost`
+  and `trace_unreadable` (critical: a trace missing readings its writer dropped, a trace
+  `--skip-invalid` left out). Each rule names the thresholds it tests (`uses`): a threshold given to
+  `check` gates those rules. Causes before
   consequences: a finding another explains (`explains` below) is nested under it, with its cause's
   remedy, and never gates on its own. `variance_collapse` reads the unit std (each unit's spread
   across the probe), at 5 % of its first reading (a layer's std at 1 % before). `exploding_gradients`:
   a spike the run recovers from within a window is none; one logged loss 10× its median before counts
-  as a rise; 1000× without a rising loss is critical. `attention_logit_growth`: ≥ 5× its first
+  as a rise (`loss_catastrophic`); 1000× without a rising loss is critical; a rise is a trend only where
+  the last two readings hold it. `attention_logit_growth`: ≥ 5× its first
   reading and ≥ 10 (≥ 50 before, which a model soft-capped at 50 never reaches).
   `attention_entropy_collapse`: critical where every head of the layer collapsed. A softmax's and a
   NaN reading's dead fraction are null metrics (`analyzer/meaning.py`), no rule's exception.
