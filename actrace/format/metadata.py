@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION
+from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION, VERSION
 
 PREFIX = "actrace:"
 KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
@@ -111,11 +111,11 @@ def parse(schema: pa.Schema, path: Path) -> dict[str, str]:
     version = meta.get("spec_version")
     if version is None:
         raise TraceError(f"{path}: not an actrace trace (no '{PREFIX}spec_version' metadata)")
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        raise TraceError(f"{path}: spec version {version!r} is not MAJOR.MINOR") from None
-    if major != SPEC_MAJOR:
+    match = VERSION.fullmatch(version)
+    if match is None:
+        raise TraceError(f"{path}: spec version {version[:40]!r} is not MAJOR.MINOR (two numbers of at most 4 digits, "
+                         "no leading zero)")
+    if int(match.group(1)) != SPEC_MAJOR:
         raise TraceError(f"{path}: trace spec version {version} is not supported; this actrace "
                          f"reads {SPEC_MAJOR}.x (it implements {SPEC_VERSION})")
     return meta
