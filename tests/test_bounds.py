@@ -3,13 +3,20 @@ refuses, in one line and with the same exit; a spec version is read one way by e
 `validate`; footers that declare too much, and probe zip bombs, are refused before they are read."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+import zipfile
+
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from actrace.files.reader import TraceError, read_source
 from actrace.files.validate import validate
-from conftest import EXAMPLES
+from conftest import EXAMPLES, HUNG
 from hostile import mutations, run, template
 
 INVALID = sorted(EXAMPLES.glob("invalid-*.parquet"))
@@ -75,3 +82,39 @@ def test_a_well_formed_newer_minor_version_is_still_read(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(t.replace_schema_metadata({**t.schema.metadata, b"actrace:spec_version": b"1.10"}), path)
     assert validate(path) == [] and read_source(path)[0].num_rows == t.num_rows
+
+
+def measured(*args) -> tuple[subprocess.CompletedProcess, float, float]:
+    """The `actrace` command with `args`, run in a process of its own: (its result, its seconds, its
+    peak memory in MiB), measured by a parent that has no other child."""
+    parent = ("import json, resource, subprocess, sys, time; t = time.monotonic(); "
+              "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+              "print(json.dumps([r.returncode, r.stdout, r.stderr, time.monotonic() - t, "
+              "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))")
+    out = subprocess.run([sys.executable, "-c", parent, sys.executable, "-m", "actrace.cli", *map(str, args)],
+                         capture_output=True, text=True, timeout=HUNG, check=True)
+    code, stdout, stderr, seconds, mib = json.loads(out.stdout)
+    return subprocess.CompletedProcess(args, code, stdout, stderr), seconds, mib
+
+
+def test_a_probe_zip_bomb_is_refused_before_it_is_loaded(tmp_path):
+    from test_onnx_adapter import helper_model
+
+    from actrace.adapters.onnx import MAX_PROBE_BYTES
+
+    bomb = tmp_path / "bomb.npz"
+    n = MAX_PROBE_BYTES // 4 + 1  # float32s: one more than a probe may hold
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z, \
+            z.open("x.npy", "w", force_zip64=True) as member:
+        np.lib.format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (1, n)})
+        zeros = bytes(2 ** 24)
+        for _ in range(n * 4 // len(zeros)):
+            member.write(zeros)
+        member.write(bytes(n * 4 % len(zeros)))
+    assert bomb.stat().st_size < 2 ** 23  # 8 MiB on disk, 1 GiB unzipped
+    res, seconds, mib = measured("record", helper_model(tmp_path / "m.onnx"), "--probe", bomb,
+                                 "-o", tmp_path / "t.parquet")
+    said = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(said) == 1 and str(bomb) in said[0], res.stderr[-500:]
+    assert f"over the {MAX_PROBE_BYTES >> 20} MiB a probe may hold" in said[0]
+    assert mib < 512 and seconds < 60 and not (tmp_path / "t.parquet").exists()
