@@ -118,3 +118,52 @@ def test_a_probe_zip_bomb_is_refused_before_it_is_loaded(tmp_path):
     assert res.returncode == 2 and len(said) == 1 and str(bomb) in said[0], res.stderr[-500:]
     assert f"over the {MAX_PROBE_BYTES >> 20} MiB a probe may hold" in said[0]
     assert mib < 512 and seconds < 60 and not (tmp_path / "t.parquet").exists()
+
+
+def _units_bomb(template_path, path):
+    """One ReLU reading of MAX_UNITS + 1 units, each list all zeros: a few KiB on disk."""
+    from actrace.format.metadata import MAX_UNITS
+
+    t = pq.read_table(template_path)
+    row = t.filter(pa.compute.equal(t["kind"], "relu")).slice(0, 1).to_pylist()[0]
+    n = MAX_UNITS + 1
+    row.update(units=n, count=n, zero_count=n, nan_count=0, inf_count=0)
+    for name in ("unit_sum", "unit_sumsq", "unit_min", "unit_max", "unit_min_dev", "unit_zero", "unit_count"):
+        row[name] = np.zeros(n, np.float32 if name in ("unit_min", "unit_max", "unit_min_dev") else np.float64)
+    pq.write_table(pa.Table.from_pylist([row], schema=t.schema), path, compression="zstd")
+    return path
+
+
+def _rows_bomb(template_path, path):
+    """MAX_ROWS + 1 copies of one reading: a few MiB on disk."""
+    from actrace.format.metadata import MAX_ROWS
+
+    t = pq.read_table(template_path)
+    pq.write_table(t.take(np.zeros(MAX_ROWS + 1, dtype=np.int64)), path, compression="zstd")
+    return path
+
+
+def _parts_bomb(template_path, path):
+    """A .parts folder of MAX_PARTS + 1 part files (empty: they are counted before one is opened)."""
+    from actrace.files.reader import MAX_PARTS
+
+    path.mkdir()
+    for i in range(MAX_PARTS + 1):
+        (path / f"part-{i:06d}.parquet").touch()
+    return path
+
+
+@pytest.mark.parametrize("bomb,limit", [(_units_bomb, "over the 1,048,576 a reading may hold"),
+                                        (_rows_bomb, "1,048,576 a trace file may hold"),
+                                        (_parts_bomb, "10,000 a .parts folder may hold")],
+                         ids=["10M units", "2M rows", "10,001 parts"])
+@pytest.mark.parametrize("command", ["validate", "summary"])
+def test_a_trace_declaring_too_much_is_refused_from_its_footer_in_one_line(tmp_path, bomb, limit, command):
+    name = "t.parquet.parts" if bomb is _parts_bomb else "t.parquet"
+    path = bomb(template(tmp_path / "valid.parquet"), tmp_path / name)
+    res, seconds, mib = measured(command, path)
+    said = (res.stdout if command == "validate" else res.stderr).strip().splitlines()
+    said = [line for line in said if not line.startswith("actrace: reading traces")]
+    assert res.returncode == (1 if command == "validate" else 2) and len(said) == 1, res.stdout + res.stderr
+    assert str(path) in said[0] and limit in said[0] and "not read" in said[0]
+    assert mib < 400 and seconds < 60, (mib, seconds)
