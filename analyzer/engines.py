@@ -1,7 +1,8 @@
 """The metric table computed by an engine other than Polars, from the SQL of `analyzer.sql`: DuckDB
 in this process, or Spark (local mode, or a cluster by its master URL). The engine reads the
-traces' files itself; this process reads only each file's footer (its schema and metadata are
-checked, as every reader does) and the few rows findings need beside the metrics (the loss, the
+traces' files itself; this process checks each trace first as the Polars analyzer does (its
+footer, and the rows of the columns the metrics read: a trace Polars refuses, every engine refuses,
+in the same line) and reads the few rows findings need beside the metrics (the loss, the
 derived readings), so findings over a sweep read the engine's table.
 """
 from __future__ import annotations
@@ -18,11 +19,10 @@ import pyarrow.parquet as pq
 from actrace.files.location import location, remote, remove
 from actrace.files.reader import (TraceError, checked, compacted, part_files, settled, trace_sources, unreadable,
                                   unwritten)
-from actrace.files.validate import metadata_problems
 from actrace.format import metadata
 from actrace.format.schema import SCHEMA
 
-from .metrics import EXTRA_COLUMNS, METRIC_COLUMNS, Thresholds
+from .metrics import EXTRA_COLUMNS, METRIC_COLUMNS, Thresholds, checked_source
 from .sql import metrics_sql, side_sql
 
 ENGINES = ("polars", "duckdb", "spark")
@@ -41,10 +41,8 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
             runs.append(meta)
             continue
         try:
+            checked_source(source)  # its rows checked as the Polars analyzer checks them: refused alike
             source, meta, mine, readings = settled(_footers, source)
-            problems = metadata_problems(meta, source)
-            if problems:
-                raise TraceError(str(problems[0]))
         except TraceError as exc:
             if not skip_invalid:
                 raise
@@ -54,7 +52,7 @@ def traces(paths, skip_invalid: bool = False) -> tuple[list[str], list[dict], li
         files += [f for f, _ in mine]
         present.update(name for _, names in mine for name in names)
         runs.append(dict(meta, file=str(source), readings=readings))
-    if not files:
+    if not runs:
         raise TraceError(f"no traces found in {paths}")
     named = Counter(m["run_name"] for m in runs)
     if any(n > 1 for n in named.values()):  # as one run, each reading's last written: the Polars analyzer
@@ -77,7 +75,7 @@ def _footers(source) -> tuple:
 
 def _missing(absent: list[str], dialect: str) -> str:
     """The absent spec columns as nulls of their type, for the `readings` view."""
-    types = {"float32": "FLOAT", "double": "DOUBLE", "int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR"}
+    types = {"float": "FLOAT", "double": "DOUBLE", "int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR"}
     out = []
     for name in absent:
         t = SCHEMA.field(name).type
@@ -103,6 +101,9 @@ def on_duckdb(paths, th: Thresholds, skip_invalid: bool = False) -> tuple[pl.Dat
         except duckdb.IOException:
             if not any(compacted(location(meta["file"])) for meta in runs):
                 raise
+        except duckdb.Error as exc:  # pages Polars' columns do not touch (a flipped bit): DuckDB's own words
+            raise TraceError(f"{', '.join(meta['file'] for meta in runs)}: --engine duckdb cannot read it: "
+                             f"{str(exc).strip().splitlines()[0]}") from None
 
 
 def _duckdb_tables(duckdb, files: list[str], runs: list[dict], absent: list[str],
@@ -111,8 +112,12 @@ def _duckdb_tables(duckdb, files: list[str], runs: list[dict], absent: list[str]
     stores = {type(where.fs): where.fs for where in map(location, files) if remote(where)}
     for fs in stores.values():  # object storage through its fsspec filesystem; DuckDB asks for the
         con.register_filesystem(type(fs)(**fs.storage_options, default_cache_type="none"))  # ranges it reads
-    con.sql(f"CREATE VIEW raw AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
-            f"union_by_name = true, filename = true, file_row_number = true)")
+    if files:
+        con.sql(f"CREATE VIEW raw AS SELECT *{_missing(absent, 'duckdb')} FROM read_parquet({files!r}, "
+                f"union_by_name = true, filename = true, file_row_number = true)")
+    else:  # only runs killed before their first flush: no reading to read, their status said
+        con.sql(f"CREATE VIEW raw AS SELECT '' AS filename, 0 AS file_row_number{_missing(absent, 'duckdb')} "
+                "WHERE false")
     con.sql(f"CREATE VIEW readings AS SELECT * EXCLUDE (filename, file_row_number) FROM raw QUALIFY {LAST} "
             f"filename DESC, file_row_number DESC) = 1")
     return _typed(con.sql(metrics_sql("duckdb", th)).pl()), con.sql(side_sql()).pl(), runs
@@ -131,6 +136,9 @@ def on_spark(paths, th: Thresholds, spark: dict | None = None,
         raise ValueError(f"--spark-master {master} needs --spark-scratch URL: a folder the cluster writes the metric "
                          "table to and this machine reads (e.g. s3://bucket/tmp)")
     files, runs, absent = traces(paths, skip_invalid)
+    if not files:
+        raise TraceError(f"--engine spark: no part file to read in {paths} (runs killed before their first flush); "
+                         "--engine polars or duckdb says their status")
     builder = (SparkSession.builder.appName("actrace").config("spark.ui.enabled", "false")
                .config("spark.sql.session.timeZone", "UTC")
                # a reading's row holds per-unit lists (thousands of values): Spark's 4,096 rows a batch

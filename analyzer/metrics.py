@@ -332,10 +332,11 @@ def _counted(table: pa.Table, th: Thresholds) -> pl.DataFrame:
     return pl.from_arrow(table).with_columns(pl.Series(name, v, nan_to_null=True) for name, v in counts.items())
 
 
-def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
-    """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
-    layers, what saturation needs); its metadata. The columns read are checked first (spec
-    §Validity): a trace that breaks a rule they fall under is refused, naming the file and the rule."""
+def checked_source(source) -> tuple[pa.Table, dict, bool]:
+    """One trace's columns that the metrics read (and, where it has bounded layers, what saturation
+    needs), its metadata and whether it is of a newer minor version, checked first (spec §Validity):
+    a trace that breaks a rule they fall under is refused, naming the file and the rule. Every engine
+    checks a trace here before it computes from it."""
     lazy = [(_BOUNDED_ONLY, _bounded)]
     table, meta = read_source(source, _READ, when=lazy)
     read = set(_READ).difference(*(names for names, needed in lazy if not needed(table)))
@@ -345,6 +346,13 @@ def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
     if problems:
         more = f" (and {len(problems) - 1} more; `actrace validate {source}` lists them)" if len(problems) > 1 else ""
         raise TraceError(f"{problems[0]}{more}")
+    return table, meta, newer
+
+
+def _reduce_source(source, th: Thresholds) -> tuple[pl.DataFrame, dict]:
+    """One trace's scalar columns plus its dead and pinned unit counts (and, where it has bounded
+    layers, what saturation needs); its metadata; the trace checked first (`checked_source`)."""
+    table, meta, newer = checked_source(source)
     if newer:  # a newer minor version's streams are not ours to read, its kinds read as 'other'
         table = table.filter(pc.is_in(table["stream"], pa.array(list(STREAMS))))
         table = table.set_column(table.column_names.index("kind"), "kind", pc.if_else(

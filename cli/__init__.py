@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="run name (default: the trace's file name)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="run metadata (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing trace")
-    p.add_argument("--probe", metavar="FILE", help="ONNX: .npz (arrays by input name) or .npy (one input)")
+    p.add_argument("--probe", metavar="FILE",
+                   help="ONNX: .npz (arrays by input name) or .npy (one input), at most 1 GiB uncompressed")
     p.add_argument("--layers", action="append", metavar="PATTERN", help="ONNX: node or output name glob")
     p.add_argument("--op-types", metavar="OPS", help="ONNX: comma-separated op types to read (e.g. Relu,Tanh)")
     p.add_argument("--steps", metavar="N,N,...", help="ONNX: the step of each checkpoint, in the order given")

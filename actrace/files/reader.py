@@ -93,12 +93,19 @@ def unwritten(source) -> dict | None:
             "file": str(source), "readings": 0}
 
 
+MAX_PARTS = 10_000  # part files of a `.parts` folder: a killed run's flushes, 10 s apart at the most, for 27 h
+
+
 def part_files(source: Path) -> list[Path]:
-    """The Parquet files a source consists of: itself, or a `.parts` directory's part files."""
+    """The Parquet files a source consists of: itself, or a `.parts` directory's part files (at most
+    MAX_PARTS, counted before any is opened)."""
     if source.is_dir():
         parts = sorted(source.glob("part-*.parquet"))
         if not parts:
             raise TraceError(f"{source}: a .parts directory with no part files")
+        if len(parts) > MAX_PARTS:
+            raise TraceError(f"{source}: {len(parts):,} part files, over the {MAX_PARTS:,} a .parts folder may "
+                             "hold: not read")
         return parts
     return [source]
 

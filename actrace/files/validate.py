@@ -155,10 +155,11 @@ def row_problems(t: pa.Table, path, *, read=None, newer_minor: bool = False) -> 
         if problems:
             return problems
         full = ~all_null
-        if full.any() and finite is not None and need("unit_count", "unit_zero"):
-            sub = t.filter(pa.array(full))
+        sub = t.filter(pa.array(full)) if full.any() and finite is not None else None
+        if sub is not None and need("unit_count"):
             rows(_scatter(full, _sum_lists(sub["unit_count"]) != finite[full]), "unit_count",
                  "per-unit finite counts do not add up to count - nan_count - inf_count")
+        if sub is not None and need("unit_count", "unit_zero"):
             rows(_scatter(full, _sum_lists(sub["unit_zero"]) != zero[full]), "unit_zero",
                  "per-unit zero counts do not add up to zero_count")
             flat_zero = pc.list_flatten(sub["unit_zero"]).to_numpy(zero_copy_only=False)

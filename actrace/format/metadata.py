@@ -13,9 +13,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION
+from actrace.format.schema import SPEC_MAJOR, SPEC_VERSION, VERSION
 
 PREFIX = "actrace:"
 KEYS = ("spec_version", "run_name", "run_id", "framework", "framework_version", "adapter",
@@ -64,6 +65,10 @@ def encode(meta: dict[str, str]) -> dict[str, str]:
 
 
 MAX_FOOTER = 16 * 2 ** 20  # bytes of Parquet metadata a reader parses: a trace's are KiB (spec §Validity)
+# what one Parquet file of a trace may declare, checked before its data are read (spec §Validity)
+MAX_ROWS = 2 ** 20  # rows (readings)
+MAX_DECODED = 4 * 2 ** 30  # bytes of its pages uncompressed, as its row groups declare them
+MAX_UNITS = 2 ** 20  # units of a reading, as its `units` column says (read alone: at most 4 MiB)
 
 
 def open_file(path: Path) -> pq.ParquetFile:
@@ -90,9 +95,31 @@ def open_file(path: Path) -> pq.ParquetFile:
                              f"({'more than the file holds' if footer > size - 12 else 'over the 16 MiB a trace may hold'})")
         pf = pq.ParquetFile(path if isinstance(path, Path) else f, page_checksum_verification=True)
         pf.schema_arrow  # noqa: B018 - its names decoded now: a name that is not UTF-8 is no trace's
+        declared(pf, path)
         return pf
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from None
+
+
+def declared(pf: pq.ParquetFile, path) -> None:
+    """Refuses a file that declares more work than a reader takes on: over MAX_ROWS rows or MAX_DECODED
+    bytes uncompressed (its footer says), or a reading of over MAX_UNITS units (its `units` column
+    says, read before any per-unit list is). A small file that declares millions of units or rows
+    costs what it declares. (A column chunk's own metadata is not read here: pyarrow aborts the
+    process on some corrupt ones, where its reader raises.)"""
+    md = pf.metadata
+    if md.num_rows > MAX_ROWS:
+        raise TraceError(f"{path}: its footer declares {md.num_rows:,} rows, over the {MAX_ROWS:,} a trace file "
+                         "may hold: not read")
+    decoded = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+    if decoded > MAX_DECODED:
+        raise TraceError(f"{path}: its footer declares {decoded:,} bytes uncompressed, over the "
+                         f"{MAX_DECODED >> 30} GiB a trace file may hold: not read")
+    if "units" in pf.schema_arrow.names and pa.types.is_integer(pf.schema_arrow.field("units").type):
+        units = pc.max(pf.read(columns=["units"])["units"]).as_py()
+        if units is not None and units > MAX_UNITS:
+            raise TraceError(f"{path}: a reading declares {units:,} units, over the {MAX_UNITS:,} a reading may "
+                             "hold: not read")
 
 
 def read(path: Path) -> dict[str, str]:
@@ -111,11 +138,11 @@ def parse(schema: pa.Schema, path: Path) -> dict[str, str]:
     version = meta.get("spec_version")
     if version is None:
         raise TraceError(f"{path}: not an actrace trace (no '{PREFIX}spec_version' metadata)")
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        raise TraceError(f"{path}: spec version {version!r} is not MAJOR.MINOR") from None
-    if major != SPEC_MAJOR:
+    match = VERSION.fullmatch(version)
+    if match is None:
+        raise TraceError(f"{path}: spec version {version[:40]!r} is not MAJOR.MINOR (two numbers of at most 4 digits, "
+                         "no leading zero)")
+    if int(match.group(1)) != SPEC_MAJOR:
         raise TraceError(f"{path}: trace spec version {version} is not supported; this actrace "
                          f"reads {SPEC_MAJOR}.x (it implements {SPEC_VERSION})")
     return meta

@@ -13,6 +13,8 @@ import pyarrow as pa
 
 SPEC_VERSION = "1.5"
 SPEC_MAJOR = int(SPEC_VERSION.split(".")[0])
+# spec §Version and schema: `MAJOR.MINOR`, each a number of at most 4 digits without a leading zero
+VERSION = re.compile(r"(0|[1-9][0-9]{0,3})\.(0|[1-9][0-9]{0,3})")
 
 STREAMS = ("activation", "activation_grad", "param_grad", "param", "scalar")  # scalar: 1.2
 # a scalar row is no layer of the model: its layer_index (spec §Streams)
@@ -154,9 +156,8 @@ MERGE = {name: rule for name, _, _, rule in COLUMNS}
 
 
 def minor_version(version: str) -> int:
-    """The minor number of a `MAJOR.MINOR` spec version (0 where it has none)."""
-    parts = version.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    """The minor number of a `MAJOR.MINOR` spec version (`VERSION`; a reader refuses any other)."""
+    return int(VERSION.fullmatch(version).group(2))
 
 
 def columns_absent_in(version: str) -> frozenset[str]:

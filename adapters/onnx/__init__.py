@@ -11,6 +11,7 @@ import fnmatch
 import re
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -87,11 +88,27 @@ def _session(model, names: list[str], path: Path):
         raise OnnxError(f"{path}: ONNX Runtime cannot run this model: {exc}") from None
 
 
+MAX_PROBE_BYTES = 2 ** 30  # a probe is one batch: its arrays' bytes, uncompressed, at most 1 GiB
+
+
 def load_probe(path) -> dict[str, np.ndarray]:
-    """A probe file: .npz (arrays by input name) or .npy (a single-input model's input)."""
+    """A probe file: .npz (arrays by input name) or .npy (a single-input model's input). Its size
+    uncompressed (an .npz's members as its zip directory declares them, which bound what is read) is
+    checked against MAX_PROBE_BYTES before any array is: a zip bomb is refused unread."""
     path = Path(path)
     if not path.is_file():
         raise OnnxError(f"--probe {path}: no such file")
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                size = sum(member.file_size for member in z.infolist())
+        else:
+            size = path.stat().st_size
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise OnnxError(f"--probe {path}: not a .npz or .npy file ({exc})") from None
+    if size > MAX_PROBE_BYTES:
+        raise OnnxError(f"--probe {path}: its arrays hold {size:,} bytes uncompressed, over the "
+                        f"{MAX_PROBE_BYTES >> 20} MiB a probe may hold (one batch): not read")
     try:
         if path.suffix == ".npy":
             return {"": np.load(path, allow_pickle=False)}
