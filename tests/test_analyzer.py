@@ -293,10 +293,14 @@ def test_a_sweep_read_a_batch_of_runs_at_a_time_says_what_its_whole_table_says(t
     assert first == {run: ("relu[2]", "dead_fraction", 300) for run in dying}
 
 
-def test_comparing_in_batches_keeps_a_run_on_both_sides_and_an_engines_run_the_metadata_does_not_name(tmp_path):
+def test_comparing_in_batches_keeps_a_run_on_both_sides_and_every_engine_refuses_a_run_the_metadata_does_not_name(
+        tmp_path):
     """A resumed seed given among the baselines and as the run compared parts where it died, as it
-    did before batches; DuckDB's rows of a run no metadata names (a trace breaking the spec, which
-    only the Polars analyzer refuses) keep their NaN finding; no baseline left is said, not a crash."""
+    did before batches; no baseline left is said, not a crash. Rows of a run no metadata names (a
+    trace breaking the spec) are refused by DuckDB as by Polars, naming the file (issue 60: it computed
+    them before)."""
+    from actrace.format.metadata import TraceError
+
     from actrace.analyzer import analyze
 
     write_run(tmp_path / "s1.parquet", "s1", dead=lambda s: 24 if s >= 300 else 0)
@@ -312,8 +316,9 @@ def test_comparing_in_batches_keeps_a_run_on_both_sides_and_an_engines_run_the_m
     t = pq.read_table(tmp_path / "b.parquet")
     pq.write_table(t.set_column(t.column_names.index("run"), t.schema.field("run"),
                                 pa.array(["renamed"] * len(t), t.schema.field("run").type)), tmp_path / "b.parquet")
-    found = analyze(tmp_path / "b.parquet", engine="duckdb").findings
-    assert [(f.run, f.layer, f.step) for f in found if f.rule == "nan_inf"] == [("renamed", "block3.relu", 300)]
+    for engine in ("polars", "duckdb"):
+        with pytest.raises(TraceError, match=r"b\.parquet: row 0 column 'run': .* name a run other than"):
+            analyze(tmp_path / "b.parquet", engine=engine)
 
 
 def test_traces_of_a_newer_minor_version_are_analyzed(tmp_path):
