@@ -38,9 +38,6 @@ class Baseline:
     def said(self) -> str:
         return f"{', '.join(self.runs)} (chosen by {self.why})"
 
-    def _replace_why(self, why: str) -> Baseline:
-        return Baseline(self.runs, self.why.replace("--baseline", why, 1))
-
 
 def project_baseline(start: Path | None = None) -> tuple[str | None, str]:
     """The `baseline` key of the nearest `actrace.toml` (this folder or one above), and where it was."""
@@ -102,16 +99,20 @@ class Analysis:
         file's `baseline` (`actrace.toml` here or in a folder above), each a run's name or KEY=VALUE
         (the runs whose config holds that value: a baseline's seeds); else none. Never the file that
         sorts first: a broken run would be every run's yardstick."""
-        why, names = "--baseline", [m.get("run_name") for m in self.read]
+        if requested is not None:
+            return self._chosen(requested, "--baseline")
+        requested, where = project_baseline()
         if requested is None:
-            requested, why = project_baseline()
-            if requested is None:
-                return None
-            try:
-                return self.baseline(requested)._replace_why(why)
-            except ValueError as exc:  # the project's baseline is not among these traces: said, not fatal
-                warnings.warn(f"{why}: {exc}; no baseline for these traces", stacklevel=2)
-                return None
+            return None
+        try:
+            return self._chosen(requested, where)
+        except ValueError as exc:  # the project's baseline is not among these traces: said, not fatal
+            warnings.warn(f"{where}: {exc}; no baseline for these traces", stacklevel=2)
+            return None
+
+    def _chosen(self, requested: str, why: str) -> Baseline:
+        """The runs `requested` names (a run, or KEY=VALUE of their configs), chosen by `why`."""
+        names = [m.get("run_name") for m in self.read]
         if requested in names:
             return Baseline([requested], why)
         key, eq, value = requested.partition("=")

@@ -25,7 +25,7 @@ import polars as pl
 from actrace.format.schema import shown
 
 from .findings import Finding
-from .rules import REGISTRY, RULES_VERSION, SEVERITY_RANK, THRESHOLDS, family_of, rules_of
+from .rules import REGISTRY, RULES_VERSION, SEVERITY_RANK, THRESHOLDS, rules_of
 
 
 @dataclass
@@ -69,10 +69,10 @@ class Gate:
 
 def unreadable(latest: pl.DataFrame, runs: list[str], given: dict) -> list[tuple[str, str, str]]:
     """(threshold, run, what it reads) for each given threshold that has nothing to read in a run:
-    none of the metric-table columns its rules read holds a value there."""
+    none of the metric-table columns the rules that test it read holds a value there."""
     out = []
     for name in given:
-        columns = [c for rule in family_of(name).rules for c in rule.reads if c in latest.columns]
+        columns = [c for rule in rules_of(name) for c in REGISTRY[rule].reads if c in latest.columns]
         if not columns:
             continue
         readable = latest.filter(pl.any_horizontal(pl.col(c).is_not_null() & ~pl.col(c).cast(pl.Float64).is_nan()
